@@ -1,0 +1,97 @@
+# Infinijup: `make lab` sets everything up and starts JupyterLab; `make test` sets up and tests.
+# Each set-up step leaves a stamp under .stamps/ so a second run skips what is already done.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+JLPM := $(VENV)/bin/jlpm
+CRIU_PREFIX ?= /opt/infinijup/criu
+HELPER_SOCKET ?= /run/infinijup/helper.sock
+HELPER_PIDFILE ?= /run/infinijup/helper.pid
+HELPER_LOG ?= /var/log/infinijup-helper.log
+LAB_PORT ?= 8888
+LAB_IP ?= 127.0.0.1
+STAMPS := .stamps
+SYSTEM_PACKAGES := python3 python3-venv python3-dev build-essential git iproute2 util-linux procps ca-certificates
+TEST_SYSTEM_PACKAGES := chromium
+
+export INFINIJUP_CRIU := $(CRIU_PREFIX)/sbin/criu
+export INFINIJUP_PYCRIU := $(CRIU_PREFIX)/python
+
+.PHONY: lab test setup system-deps criu venv frontend helper helper-stop test-python test-frontend test-ui lint clean
+
+lab: setup helper
+	@echo "Starting JupyterLab with Infinijup on http://$(LAB_IP):$(LAB_PORT)/lab"
+	$(VENV)/bin/jupyter lab --ip=$(LAB_IP) --port=$(LAB_PORT) --no-browser $(if $(filter 0,$(shell id -u)),--allow-root,)
+
+test: setup helper
+	$(MAKE) lint test-python test-frontend test-ui
+
+setup: system-deps criu venv frontend $(STAMPS)/install
+
+# --- system packages (root) -------------------------------------------------------------
+system-deps: $(STAMPS)/system-deps
+$(STAMPS)/system-deps:
+	@scripts/require-root.sh "installing system packages" "sudo make system-deps"
+	@missing=$$(for p in $(SYSTEM_PACKAGES) $(TEST_SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	command -v node >/dev/null 2>&1 || missing="$$missing nodejs npm"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:" $$missing; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	fi
+	@mkdir -p $(STAMPS) && touch $@
+
+# --- CRIU >= 4.2 (root to build/install) --------------------------------------------------
+criu:
+	@scripts/setup-criu.sh $(CRIU_PREFIX)
+
+# --- Python virtualenv -------------------------------------------------------------------
+venv: $(STAMPS)/venv
+$(STAMPS)/venv: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "jupyterlab>=4.4,<5" "hatchling>=1.21" "hatch-nodejs-version>=0.3.2" "hatch-jupyter-builder>=0.9" editables
+	@mkdir -p $(STAMPS) && touch $@
+
+# --- the JupyterLab extension (TypeScript) -----------------------------------------------
+frontend: $(STAMPS)/frontend
+$(STAMPS)/frontend: $(STAMPS)/venv package.json $(wildcard yarn.lock) $(shell find labextension -type f 2>/dev/null) tsconfig.json
+	PATH=$(abspath $(VENV))/bin:$$PATH $(JLPM) install
+	PATH=$(abspath $(VENV))/bin:$$PATH $(JLPM) build:prod
+	@mkdir -p $(STAMPS) && touch $@
+
+# --- the Python package, server extension, kernelspec ------------------------------------
+$(STAMPS)/install: $(STAMPS)/venv $(STAMPS)/frontend pyproject.toml
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,gpu]"
+	@echo "$(CRIU_PREFIX)/python" > $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/infinijup-pycriu.pth
+	PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/jupyter labextension develop --overwrite . >/dev/null
+	$(VENV)/bin/jupyter server extension enable --sys-prefix infinijup >/dev/null
+	$(VENV)/bin/jupyter kernelspec install --sys-prefix --name infinijup jupyter-config/kernels/infinijup >/dev/null
+	@mkdir -p $(STAMPS) && touch $@
+
+# --- the privileged helper (root) --------------------------------------------------------
+helper: $(STAMPS)/install
+	@scripts/require-root.sh "starting the privileged helper (CRIU needs root)" "sudo make helper"
+	@$(PY) -m infinijup_helper --daemon --socket $(HELPER_SOCKET) --pidfile $(HELPER_PIDFILE) --log $(HELPER_LOG)
+
+helper-stop:
+	@if [ -f $(HELPER_PIDFILE) ]; then kill $$(cat $(HELPER_PIDFILE)) 2>/dev/null || true; rm -f $(HELPER_PIDFILE); fi
+
+# --- tests -------------------------------------------------------------------------------
+lint: $(STAMPS)/install
+	$(VENV)/bin/ruff check infinijup infinijup_helper tests bench
+
+test-python: $(STAMPS)/install
+	$(VENV)/bin/pytest -q -p no:cacheprovider
+
+test-frontend: $(STAMPS)/frontend
+	PATH=$(abspath $(VENV))/bin:$$PATH $(JLPM) test
+
+test-ui: $(STAMPS)/install
+	@if [ -f ui-tests/package.json ]; then \
+	  cd ui-tests && PATH=$(abspath $(VENV))/bin:$$PATH $(abspath $(JLPM)) install && PATH=$(abspath $(VENV))/bin:$$PATH $(abspath $(JLPM)) playwright test; \
+	fi
+
+clean:
+	rm -rf $(STAMPS) lib infinijup/labextension node_modules

@@ -1,0 +1,49 @@
+"""The ``infinijup`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="infinijup", description="Branchable, resumable Jupyter sessions.")
+    parser.add_argument("--version", action="version", version=f"infinijup {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    from .store import cli as store_cli
+
+    store_cli.add_subparser(sub)
+    helper = sub.add_parser("helper", help="check the privileged helper")
+    helper.set_defaults(func=_helper_status)
+    return parser
+
+
+def _helper_status(args: argparse.Namespace) -> int:
+    from .errors import InfinijupError
+    from .helper_client import HelperClient
+
+    try:
+        info = HelperClient().hello()
+    except InfinijupError as exc:
+        print(f"infinijup: {exc}", file=sys.stderr)
+        return 2
+    for k, v in info.items():
+        print(f"{k}: {v}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 0
+    return int(func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

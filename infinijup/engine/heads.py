@@ -1,0 +1,73 @@
+"""Thread rules: where a kernel's next snapshot goes.
+
+- Snapshots go on the kernel's current thread (``main`` by default).
+- After a restore of a commit that is not its thread's tip, the next snapshot starts a new
+  thread, auto-named (``main-1``...) unless the user named one.
+- A thread moves only by compare-and-swap from the tip we last saw: if someone else moved it
+  meanwhile, the snapshot goes on a new thread instead. No operation ever drops a commit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .naming import DEFAULT_THREAD, auto_thread_name, check_thread_name
+
+
+@dataclass(frozen=True)
+class Head:
+    """Where a kernel is: the commit its state came from (None: fresh) and its thread.
+
+    ``thread`` None means "a new thread next to ``base_thread`` on the next snapshot".
+    """
+
+    commit: str | None
+    thread: str | None
+    base_thread: str = DEFAULT_THREAD
+
+
+@dataclass(frozen=True)
+class SnapshotPlan:
+    thread: str
+    parents: tuple[str, ...]
+    expected_tip: str | None  # the thread's tip we require (None: the thread must not exist)
+
+
+def plan_snapshot(head: Head, threads: dict[str, str], requested: str | None) -> SnapshotPlan:
+    """Decide thread and parents of the next snapshot of a kernel at ``head``.
+
+    ``threads`` is the notebook's thread table (name -> tip), ``requested`` a thread the user
+    asked for explicitly.
+    """
+    parents = (head.commit,) if head.commit else ()
+    if requested is not None:
+        name = check_thread_name(requested)
+        tip = threads.get(name)
+        if tip is None or tip == head.commit:
+            return SnapshotPlan(name, parents, tip)
+        if head.commit is None:
+            return SnapshotPlan(name, (tip,), tip)
+        # The named thread has moved elsewhere: never rewrite it, branch next to it.
+        return SnapshotPlan(auto_thread_name(name, set(threads)), parents, None)
+    name = head.thread
+    if name is not None:
+        tip = threads.get(name)
+        if tip == head.commit or tip is None:
+            return SnapshotPlan(name, parents, tip)
+        if head.commit is None:  # a fresh kernel continues its thread's history
+            return SnapshotPlan(name, (tip,), tip)
+        base = name
+    else:
+        base = head.base_thread
+    return SnapshotPlan(auto_thread_name(base, set(threads)), parents, None)
+
+
+def head_after_restore(commit: str, commit_thread: str, threads: dict[str, str],
+                       branch: str | None) -> Head:
+    """Where a kernel is after restoring ``commit`` (committed on ``commit_thread``)."""
+    if branch is not None:
+        return Head(commit=commit, thread=check_thread_name(branch), base_thread=branch)
+    for name, tip in sorted(threads.items(), key=lambda kv: kv[0] != commit_thread):
+        if tip == commit:
+            return Head(commit=commit, thread=name, base_thread=name)
+    return Head(commit=commit, thread=None, base_thread=commit_thread)

@@ -1,0 +1,80 @@
+"""Talking to a kernel over its own channels, apart from the notebook's connection.
+
+Two things the engine needs from a kernel: run Infinijup's agent inside it (quiesce before a
+snapshot, resume after), and know when a restored kernel answers again. After a restore the
+ZMQ sockets reconnect on their own, and the first iopub messages can be lost while a SUB socket
+resubscribes, so "answers" means: a kernel_info reply on shell *and* its status on iopub.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import json
+import time
+
+from ..errors import Conflict, RestoreFailed
+
+
+async def _shell_reply(kc, msg_id: str, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        msg = await kc.get_shell_msg(timeout=left)
+        if msg.get("parent_header", {}).get("msg_id") == msg_id:
+            return msg
+
+
+async def run_agent(km, expression: str, timeout: float) -> dict:
+    """Evaluate ``expression`` (returning a JSON string) in the kernel once it is idle.
+
+    The request waits behind any running cell; past ``timeout`` it raises Conflict (409) and the
+    running cell is left alone.
+    """
+    kc = km.client()
+    kc.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+    try:
+        msg_id = kc.execute("", silent=True, store_history=False,
+                            user_expressions={"r": expression})
+        try:
+            reply = await _shell_reply(kc, msg_id, timeout)
+        except (TimeoutError, asyncio.TimeoutError):
+            raise Conflict(
+                f"the kernel stayed busy for {timeout:.0f} s: wait for the running cell to "
+                "finish (or interrupt it) and try again",
+                reason="kernel_busy",
+            ) from None
+        expr = reply["content"].get("user_expressions", {}).get("r", {})
+        if expr.get("status") != "ok":
+            return {"error": expr.get("evalue", "agent failed")}
+        return json.loads(ast.literal_eval(expr["data"]["text/plain"]))
+    finally:
+        kc.stop_channels()
+
+
+async def wait_answering(km, timeout: float) -> float:
+    """Wait until the kernel answers on shell and iopub; return how long it took."""
+    t0 = time.monotonic()
+    kc = km.client()
+    kc.start_channels(shell=True, iopub=True, stdin=False, hb=False, control=False)
+    try:
+        while time.monotonic() - t0 < timeout:
+            msg_id = kc.kernel_info()
+            try:
+                await _shell_reply(kc, msg_id, 1.0)
+            except (TimeoutError, asyncio.TimeoutError):
+                continue
+            end = time.monotonic() + 0.5
+            while time.monotonic() < end:
+                try:
+                    msg = await kc.get_iopub_msg(timeout=max(0.01, end - time.monotonic()))
+                except Exception:
+                    break
+                if msg.get("parent_header", {}).get("msg_id") == msg_id:
+                    return time.monotonic() - t0
+        raise RestoreFailed(f"the restored kernel did not answer within {timeout:.0f} s",
+                            reason="restore_unresponsive")
+    finally:
+        kc.stop_channels()

@@ -1,0 +1,72 @@
+"""Quiesce and resume hooks that run inside the kernel around a snapshot.
+
+Libraries register a hook to bring their state to a point that is safe to freeze (drain a queue,
+synchronize a GPU stream) and to pick up again afterwards::
+
+    from infinijup.kernel_magics import register_quiesce_hook, register_resume_hook
+    register_quiesce_hook(my_sync)
+    register_resume_hook(lambda restored: reconnect() if restored else None)
+
+Resume hooks receive ``restored``: False when the kernel goes on after its own snapshot, True
+when it runs again from a restored snapshot.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+
+QuiesceHook = Callable[[], object]
+ResumeHook = Callable[[bool], object]
+
+_quiesce_hooks: list[QuiesceHook] = []
+_resume_hooks: list[ResumeHook] = []
+
+
+def register_quiesce_hook(hook: QuiesceHook) -> QuiesceHook:
+    """Run ``hook()`` before each snapshot of this kernel. Usable as a decorator."""
+    if hook not in _quiesce_hooks:
+        _quiesce_hooks.append(hook)
+    return hook
+
+
+def register_resume_hook(hook: ResumeHook) -> ResumeHook:
+    """Run ``hook(restored)`` after each snapshot and after each restore. Usable as a decorator."""
+    if hook not in _resume_hooks:
+        _resume_hooks.append(hook)
+    return hook
+
+
+def unregister_hook(hook: Callable) -> None:
+    for hooks in (_quiesce_hooks, _resume_hooks):
+        if hook in hooks:
+            hooks.remove(hook)
+
+
+def run_quiesce() -> dict:
+    """Run every quiesce hook; return what they did and how long it took."""
+    t0 = time.perf_counter()
+    errors = []
+    for hook in list(_quiesce_hooks):
+        try:
+            hook()
+        except Exception as exc:  # a failing hook must not leave the kernel half-quiesced
+            errors.append(f"{getattr(hook, '__name__', hook)}: {exc}")
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    return {"quiesce_s": time.perf_counter() - t0, "hook_errors": errors}
+
+
+def run_resume(restored: bool) -> dict:
+    t0 = time.perf_counter()
+    errors = []
+    for hook in list(_resume_hooks):
+        try:
+            hook(restored)
+        except Exception as exc:
+            errors.append(f"{getattr(hook, '__name__', hook)}: {exc}")
+    return {"resume_s": time.perf_counter() - t0, "hook_errors": errors}

@@ -1,0 +1,25 @@
+"""Entry point of Infinijup kernels: ipykernel with the Infinijup magics loaded.
+
+Used by the kernelspec as ``python -m infinijup.kernel_magics.launch -f {connection_file}``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def main() -> None:
+    # The restored kernel's parent is the helper, not the launcher: the parent poller must not
+    # take that for the launcher's death.
+    os.environ.pop("JPY_PARENT_PID", None)
+    from ipykernel import kernelapp
+
+    argv = sys.argv[1:]
+    if not any(a.startswith("--ext") for a in argv):
+        argv = [*argv, "--ext=infinijup.kernel_magics"]
+    kernelapp.launch_new_instance(argv=argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""The kernel's way to the Jupyter server's Infinijup routes (for the magics).
+
+The server exports its URL and token into the environment its kernels inherit. Each call is one
+short HTTP request with ``Connection: close``: no connection stays open across a snapshot.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from .. import config
+
+
+class ServerError(RuntimeError):
+    def __init__(self, status: int, message: str, reason: str = "error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+
+
+def kernel_id() -> str:
+    kid = os.environ.get(config.KERNEL_ID_ENV)
+    if not kid:
+        raise ServerError(0, "this kernel was not started by Infinijup's provisioner: "
+                             "choose the kernel 'Python 3 (Infinijup)'", "not_managed")
+    return kid
+
+
+def request(method: str, path: str, body: dict | None = None, timeout: float = 60) -> dict:
+    base = os.environ.get(config.SERVER_URL_ENV)
+    if not base:
+        raise ServerError(0, "no Jupyter server with Infinijup is known to this kernel "
+                             f"({config.SERVER_URL_ENV} is unset)", "no_server")
+    url = base.rstrip("/") + path
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("Content-Type", "application/json")
+    req.add_header("Connection", "close")
+    token = os.environ.get(config.SERVER_TOKEN_ENV)
+    if token:
+        req.add_header("Authorization", f"token {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read()
+    except urllib.error.HTTPError as err:
+        try:
+            payload = json.loads(err.read() or b"{}")
+        except ValueError:
+            payload = {}
+        raise ServerError(err.code, payload.get("message", str(err)), payload.get("reason", "error")) from None
+    except urllib.error.URLError as err:
+        raise ServerError(0, f"cannot reach the Jupyter server at {base}: {err.reason}", "no_server") from None
+    return json.loads(raw or b"{}")
+
+
+def wait_result(request_id: str, timeout: float) -> dict:
+    """Wait for the server's result file of an operation this kernel asked for.
+
+    Polling a file keeps no connection open while the kernel is dumped; a kernel restored from
+    that snapshot wakes up here too and reads the same result.
+    """
+    path = Path(config.results_dir()) / f"{request_id}.json"
+    deadline = time.monotonic() + timeout
+    delay = 0.01
+    while time.monotonic() < deadline:
+        try:
+            return json.loads(path.read_text())
+        except (FileNotFoundError, ValueError):
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.2)
+    raise ServerError(0, f"no result for request {request_id} after {timeout:.0f} s", "timeout")

@@ -1,0 +1,56 @@
+"""Following a process that is not our child.
+
+A kernel restored by CRIU has the helper as its parent, not the Jupyter server, so
+``Popen.poll()`` cannot follow it. We hold a pidfd (Linux >= 5.3) and remember the process's
+start time, which guards against a recycled pid.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+from dataclasses import dataclass
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name is in parentheses and may hold spaces: split after the last ')'.
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    if fields[0] == b"Z":
+        return None
+    return int(fields[19])
+
+
+@dataclass
+class TrackedProcess:
+    """A process we watch by pid, robust to pid reuse."""
+
+    pid: int
+    started: int | None
+    pidfd: int | None
+
+    @classmethod
+    def attach(cls, pid: int) -> TrackedProcess:
+        try:
+            pidfd = os.pidfd_open(pid)
+        except (OSError, AttributeError):
+            pidfd = None
+        return cls(pid=pid, started=start_time(pid), pidfd=pidfd)
+
+    def alive(self) -> bool:
+        if self.pidfd is not None:
+            poller = select.poll()
+            poller.register(self.pidfd, select.POLLIN)
+            if poller.poll(0):
+                return False
+        return self.started is not None and start_time(self.pid) == self.started
+
+    def close(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None

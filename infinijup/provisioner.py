@@ -1,0 +1,134 @@
+"""The kernel provisioner: kernels that Infinijup can snapshot and restore.
+
+Named in a kernelspec's ``metadata.kernel_provisioner`` as ``infinijup-provisioner``. It keeps
+``LocalProvisioner``'s connection-file and port handling, but the kernel is launched by the
+privileged helper under a small init in its own PID namespace (so a restore gets the snapshot's
+PIDs back), with stdio to a log file. The kernel is tracked by pid, since after a restore it is
+no child of ours; while a restore is under way the kernel is reported alive, so the restarter
+never mistakes a restore for a death.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from jupyter_client.connect import KernelConnectionInfo
+from jupyter_client.provisioning.local_provisioner import LocalProvisioner
+
+from . import config
+from .helper_client import HelperClient
+from .process import TrackedProcess
+
+# Environment a kernel must not inherit: the parent poller would shut a restored kernel down,
+# since its parent is no longer the process that launched it.
+_SCRUBBED_ENV = ("JPY_PARENT_PID",)
+
+
+class InfinijupProvisioner(LocalProvisioner):
+    """Launches kernels through ``infinijup_helper`` and follows them across restores."""
+
+    tracked: TrackedProcess | None = None
+    restoring: bool = False
+    log_path: str | None = None
+
+    @property
+    def has_process(self) -> bool:
+        return self.tracked is not None
+
+    def helper(self) -> HelperClient:
+        return HelperClient(config.helper_socket())
+
+    async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
+        kwargs = await super().pre_launch(**kwargs)
+        env = dict(kwargs.get("env") or os.environ)
+        for name in _SCRUBBED_ENV:
+            env.pop(name, None)
+        env[config.KERNEL_ID_ENV] = str(self.kernel_id)
+        kwargs["env"] = env
+        return kwargs
+
+    async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
+        helper = self.helper()
+        work_dir = Path(await asyncio.to_thread(helper.work_dir))
+        logs = work_dir / "logs"
+        logs.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.log_path = str(logs / f"kernel-{self.kernel_id}.log")
+        cwd = str(kwargs.get("cwd") or os.getcwd())
+        result = await asyncio.to_thread(
+            helper.spawn, list(cmd), dict(kwargs["env"]), cwd, self.log_path
+        )
+        self.attach(int(result["pid"]))
+        self.cwd = cwd
+        return self.connection_info
+
+    # --- following the kernel ---------------------------------------------------------
+    def attach(self, pid: int) -> None:
+        """Follow ``pid`` as this kernel's process (at launch, and after a restore)."""
+        if self.tracked is not None:
+            self.tracked.close()
+        self.tracked = TrackedProcess.attach(pid)
+        self.pid = pid
+        self.pgid = None
+        self.restoring = False
+
+    @property
+    def root_pid(self) -> int | None:
+        """Host pid of the kernel tree's root (the namespace's init)."""
+        return self.tracked.pid if self.tracked else None
+
+    async def poll(self) -> int | None:
+        if self.restoring:
+            return None
+        if self.tracked is None:
+            return 0
+        if self.tracked.alive():
+            return None
+        return await self._exit_code()
+
+    async def _exit_code(self) -> int:
+        try:
+            status = await asyncio.to_thread(self.helper().status, self.tracked.pid)
+            code = status.get("exit_code")
+            return int(code) if code is not None else 1
+        except Exception:
+            return 1
+
+    async def wait(self) -> int | None:
+        if self.tracked is None:
+            return 0
+        while await self.poll() is None:
+            await asyncio.sleep(0.1)
+        code = await self._exit_code()
+        self.tracked.close()
+        self.tracked = None
+        return code
+
+    async def send_signal(self, signum: int) -> None:
+        # The namespace's init forwards signals to the kernel.
+        if self.tracked is not None and self.tracked.alive():
+            os.kill(self.tracked.pid, signum)
+
+    async def kill(self, restart: bool = False) -> None:
+        if self.tracked is not None and self.tracked.alive():
+            try:
+                await asyncio.to_thread(self.helper().kill, self.tracked.pid)
+            except Exception:
+                await self.send_signal(signal.SIGKILL)
+
+    async def terminate(self, restart: bool = False) -> None:
+        await self.send_signal(signal.SIGTERM)
+
+    async def get_provisioner_info(self) -> dict:
+        info = await super().get_provisioner_info()
+        info["log_path"] = self.log_path
+        return info
+
+    async def load_provisioner_info(self, provisioner_info: dict) -> None:
+        await super().load_provisioner_info(provisioner_info)
+        self.log_path = provisioner_info.get("log_path")
+        if self.pid:
+            self.attach(int(self.pid))

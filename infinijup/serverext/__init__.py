@@ -1,0 +1,31 @@
+"""The Jupyter server extension: /infinijup/* routes and progress events."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .. import config
+from .handlers import setup_handlers
+from .manager import EVENT_SCHEMA_ID, SnapshotManager
+
+SCHEMA = Path(__file__).parent / "event_schemas" / "operation-v1.yaml"
+
+
+def _load_jupyter_server_extension(serverapp) -> None:  # noqa: ANN001 - jupyter_server's type
+    manager = SnapshotManager(parent=serverapp, serverapp=serverapp, log=serverapp.log)
+    serverapp.web_app.settings["infinijup_manager"] = manager
+    if EVENT_SCHEMA_ID not in serverapp.event_logger.schemas.schema_ids:
+        serverapp.event_logger.register_event_schema(SCHEMA)
+    # Kernels inherit the server's environment: this is how %snapshot finds its way back.
+    os.environ[config.SERVER_URL_ENV] = serverapp.connection_url
+    token = getattr(serverapp.identity_provider, "token", "") or ""
+    if token:
+        os.environ[config.SERVER_TOKEN_ENV] = token
+    os.environ.setdefault(config.RESULTS_DIR_ENV, str(config.results_dir()))
+    setup_handlers(serverapp.web_app)
+    serverapp.log.info("Infinijup server extension loaded (store: %s)", manager.store_path)
+
+
+# jupyter_server < 2 name
+load_jupyter_server_extension = _load_jupyter_server_extension

@@ -1,0 +1,150 @@
+"""HTTP for the snapshot manager: parse, one awaited call, JSON out. No logic lives here."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import tornado.web
+from jupyter_server.auth.decorator import authorized
+from jupyter_server.base.handlers import APIHandler
+from jupyter_server.utils import url_path_join
+
+from ..errors import BadRequest, InfinijupError
+
+_REQUEST_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+class InfinijupHandler(APIHandler):
+    """Base handler: domain errors become ``{"message", "reason"}`` with the right status."""
+
+    auth_resource = "infinijup"
+
+    @property
+    def manager(self):
+        return self.settings["infinijup_manager"]
+
+    def write_error(self, status_code: int, **kwargs) -> None:
+        exc = kwargs.get("exc_info", (None, None, None))[1]
+        if isinstance(exc, InfinijupError):
+            body = {"message": exc.message, "reason": exc.reason}
+        elif isinstance(exc, tornado.web.HTTPError):
+            body = {"message": exc.log_message or self._reason, "reason": "http_error"}
+        else:
+            body = {"message": self._reason, "reason": "internal_error"}
+        self.set_header("Content-Type", "application/json")
+        self.finish(json.dumps(body))
+
+    def body(self) -> dict:
+        try:
+            data = json.loads(self.request.body or b"{}")
+        except ValueError:
+            raise BadRequest("the request body is not valid JSON") from None
+        if not isinstance(data, dict):
+            raise BadRequest("the request body must be a JSON object")
+        return data
+
+    async def call(self, coro, status: int = 200) -> None:
+        try:
+            result = await coro
+        except InfinijupError as exc:
+            self.log.info("infinijup: %s (%s)", exc.message, exc.reason)
+            self.send_error(exc.http_status, exc_info=(type(exc), exc, exc.__traceback__))
+            return
+        self.set_status(status)
+        self.finish(json.dumps(result))
+
+
+def _str(body: dict, name: str, *, required: bool = False) -> str | None:
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise BadRequest(f"'{name}' is required")
+        return None
+    if not isinstance(value, str) or not value:
+        raise BadRequest(f"'{name}' must be a non-empty string")
+    return value
+
+
+class SnapshotHandler(InfinijupHandler):
+    @tornado.web.authenticated
+    @authorized
+    async def post(self) -> None:
+        try:
+            body = self.body()
+            kernel_id = _str(body, "kernel_id", required=True)
+            message = body.get("message") or ""
+            if not isinstance(message, str):
+                raise BadRequest("'message' must be a string")
+            thread = _str(body, "thread")
+            request_id = _str(body, "request_id")
+        except InfinijupError as exc:
+            return await self.call(_raise(exc))
+        if body.get("from_kernel"):
+            if request_id is None or not _REQUEST_ID.match(request_id):
+                return await self.call(_raise(BadRequest("'request_id' must be 32 hex digits")))
+            return await self.call(self.manager.snapshot_for_kernel(
+                kernel_id, message, thread, request_id, body.get("execution_count")), status=202)
+        await self.call(self.manager.snapshot(kernel_id, message=message, thread=thread), status=201)
+
+
+class RestoreHandler(InfinijupHandler):
+    @tornado.web.authenticated
+    @authorized
+    async def post(self) -> None:
+        try:
+            body = self.body()
+            kernel_id = _str(body, "kernel_id", required=True)
+            ref = _str(body, "commit", required=True)
+            branch = _str(body, "branch")
+        except InfinijupError as exc:
+            return await self.call(_raise(exc))
+        if body.get("from_kernel"):
+            return await self.call(self.manager.restore_for_kernel(kernel_id, ref, branch), status=202)
+        await self.call(self.manager.restore(kernel_id, ref, branch=branch))
+
+
+class BranchHandler(InfinijupHandler):
+    @tornado.web.authenticated
+    @authorized
+    async def post(self) -> None:
+        try:
+            body = self.body()
+            kernel_id = _str(body, "kernel_id", required=True)
+            name = _str(body, "name", required=True)
+        except InfinijupError as exc:
+            return await self.call(_raise(exc))
+        await self.call(self.manager.branch(kernel_id, name))
+
+
+class HistoryHandler(InfinijupHandler):
+    @tornado.web.authenticated
+    @authorized
+    async def get(self) -> None:
+        kernel_id = self.get_argument("kernel_id", None)
+        path = self.get_argument("path", None)
+        await self.call(self.manager.history(kernel_id=kernel_id, path=path))
+
+
+class StatusHandler(InfinijupHandler):
+    @tornado.web.authenticated
+    @authorized
+    async def get(self) -> None:
+        kernel_id = self.get_argument("kernel_id", None)
+        await self.call(self.manager.status(kernel_id))
+
+
+async def _raise(exc: Exception):
+    raise exc
+
+
+def setup_handlers(web_app) -> None:
+    base = web_app.settings["base_url"]
+    routes = [
+        ("snapshot", SnapshotHandler),
+        ("restore", RestoreHandler),
+        ("branch", BranchHandler),
+        ("history", HistoryHandler),
+        ("status", StatusHandler),
+    ]
+    web_app.add_handlers(".*$", [(url_path_join(base, "infinijup", name), h) for name, h in routes])

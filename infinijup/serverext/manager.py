@@ -1,0 +1,431 @@
+"""The snapshot manager: Jupyter's kernels on one side, the snapshot engine on the other.
+
+One operation at a time per kernel (a second gets 409). Each phase change is published on
+jupyter_server's event bus. Blocking work (helper calls, store I/O) runs in threads so the
+server keeps serving while a kernel is dumped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+
+from traitlets import Float, Unicode, default
+from traitlets.config import LoggingConfigurable
+
+from .. import __version__, config
+from ..engine import Head, SnapshotEngine, plan_snapshot
+from ..engine.heads import head_after_restore
+from ..engine.kernel_channel import run_agent, wait_answering
+from ..engine.naming import (
+    DEFAULT_THREAD,
+    check_thread_name,
+    notebook_key,
+    notebook_threads,
+    store_thread,
+)
+from ..errors import (
+    BadRequest,
+    Conflict,
+    InfinijupError,
+    NotFound,
+    PreflightRefused,
+    RestoreFailed,
+)
+from ..helper_client import HelperClient
+from ..kernel_magics import agent
+from ..provisioner import InfinijupProvisioner
+from ..store import Repository, default_store_path
+
+EVENT_SCHEMA_ID = "https://events.infinijup.dev/operation"
+
+# Connection fields a restored kernel keeps from its snapshot: the current kernel's must match.
+_CONNECTION_FIELDS = ("transport", "ip", "shell_port", "iopub_port", "stdin_port",
+                      "control_port", "hb_port", "signature_scheme")
+
+
+class SnapshotManager(LoggingConfigurable):
+    """Snapshot, restore, branch and history of the server's Infinijup kernels."""
+
+    store_path = Unicode(help="The snapshot store (default: $INFINIJUP_STORE or "
+                              "~/.local/share/infinijup/store).").tag(config=True)
+    busy_timeout = Float(30.0, help="Seconds a snapshot or restore waits for a busy kernel "
+                                    "before answering 409.").tag(config=True)
+    answer_timeout = Float(60.0, help="Seconds a restored kernel has to answer.").tag(config=True)
+
+    @default("store_path")
+    def _default_store_path(self) -> str:
+        return str(default_store_path())
+
+    def __init__(self, serverapp, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.serverapp = serverapp
+        self._repo: Repository | None = None
+        self._heads: dict[str, Head] = {}
+        self._ops: dict[str, dict] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    # --- plumbing ------------------------------------------------------------------------
+    @property
+    def kernel_manager(self):
+        return self.serverapp.kernel_manager
+
+    def repo(self) -> Repository:
+        if self._repo is None:
+            self._repo = Repository.open_or_init(Path(self.store_path))
+        return self._repo
+
+    def engine(self) -> SnapshotEngine:
+        return SnapshotEngine(self.repo(), HelperClient(config.helper_socket()))
+
+    def _kernel(self, kernel_id: str):
+        try:
+            return self.kernel_manager.get_kernel(kernel_id)
+        except KeyError:
+            raise NotFound(f"no kernel {kernel_id}", reason="unknown_kernel") from None
+
+    def _provisioner(self, km) -> InfinijupProvisioner:
+        prov = km.provisioner
+        if not isinstance(prov, InfinijupProvisioner) or prov.root_pid is None:
+            raise PreflightRefused(
+                f"kernel {km.kernel_id} does not run under Infinijup: change the notebook's "
+                "kernel to 'Python 3 (Infinijup)' to snapshot it",
+                reason="kernel_not_managed",
+            )
+        return prov
+
+    async def _path(self, kernel_id: str) -> str:
+        for s in await self.serverapp.session_manager.list_sessions():
+            if (s.get("kernel") or {}).get("id") == kernel_id:
+                return s.get("path") or s.get("notebook", {}).get("path") or f"kernel-{kernel_id}"
+        return f"kernel-{kernel_id}"
+
+    def _head(self, kernel_id: str) -> Head:
+        return self._heads.get(kernel_id) or Head(commit=None, thread=DEFAULT_THREAD)
+
+    def _begin(self, kernel_id: str, op: str, path: str) -> dict:
+        if kernel_id in self._ops:
+            running = self._ops[kernel_id]
+            raise Conflict(f"a {running['op']} of this kernel is already running "
+                           f"(phase {running['phase']})", reason="operation_running")
+        state = {"op": op, "op_id": uuid.uuid4().hex, "kernel_id": kernel_id, "path": path,
+                 "phase": "queued", "percent": 0}
+        self._ops[kernel_id] = state
+        self._emit(state, "queued", 0)
+        return state
+
+    def _end(self, state: dict) -> None:
+        self._ops.pop(state["kernel_id"], None)
+
+    def _emit(self, state: dict, phase: str, percent: float, **extra) -> None:
+        state["phase"], state["percent"] = phase, percent
+        data = {k: state[k] for k in ("op", "op_id", "kernel_id", "path")}
+        data.update(phase=phase, percent=float(percent))
+        data.update({k: str(v) for k, v in extra.items() if v is not None})
+        try:
+            self.serverapp.event_logger.emit(schema_id=EVENT_SCHEMA_ID, data=data)
+        except Exception as exc:  # progress must never break an operation
+            self.log.debug("infinijup: event not emitted: %s", exc)
+
+    def _progress(self, state: dict):
+        """A thread-safe progress callback for the engine."""
+        loop = asyncio.get_running_loop()
+        percents = {"dump": 40, "store": 70, "kill": 30, "restore": 60, "gpu": 20}
+
+        def report(phase: str, detail: dict) -> None:
+            pct = detail.get("percent", percents.get(phase, state["percent"]))
+            loop.call_soon_threadsafe(self._emit, state, phase, pct)
+
+        return report
+
+    def _connection(self, km) -> dict:
+        info = km.get_connection_info()
+        return {k: info.get(k) for k in _CONNECTION_FIELDS}
+
+    # --- snapshot ------------------------------------------------------------------------
+    async def snapshot(self, kernel_id: str, *, message: str = "", thread: str | None = None,
+                       from_kernel: bool = False, execution_count: int | None = None) -> dict:
+        km = self._kernel(kernel_id)
+        prov = self._provisioner(km)
+        if thread is not None:
+            check_thread_name(thread)
+        path = await self._path(kernel_id)
+        state = self._begin(kernel_id, "snapshot", path)
+        try:
+            t0 = time.perf_counter()
+            if not from_kernel:
+                self._emit(state, "quiesce", 10)
+                info = await run_agent(km, agent.expression("quiesce"), self.busy_timeout)
+                execution_count = info.get("execution_count")
+            t_quiesce = time.perf_counter() - t0
+            try:
+                result, plan = await self._dump_and_commit(km, prov, state, path, message,
+                                                           thread, execution_count)
+            finally:
+                if not from_kernel:
+                    await self._resume(km, restored=False)
+            commit = result.commit
+            self._heads[kernel_id] = Head(commit=commit.id, thread=plan.thread,
+                                          base_thread=plan.thread)
+            self._emit(state, "done", 100, commit=commit.id, thread=plan.thread)
+            return {
+                "commit": commit.id, "thread": plan.thread, "parents": list(commit.parents),
+                "stats": {"image_bytes": result.image_bytes, "stored_bytes": result.stored_bytes,
+                          "pause_s": result.pause_s, "quiesce_s": t_quiesce,
+                          "duration_s": time.perf_counter() - t0},
+            }
+        except InfinijupError as exc:
+            self._emit(state, "error", 100, message=exc.message, reason=exc.reason)
+            raise
+        finally:
+            self._end(state)
+
+    async def _dump_and_commit(self, km, prov, state, path, message, thread, execution_count):
+        repo = self.repo()
+        key = notebook_key(path)
+        head = self._head(km.kernel_id)
+        conflict = None
+        for _ in range(3):  # a thread moved by someone else: plan again, on a new thread
+            threads = notebook_threads(await asyncio.to_thread(repo.threads), key)
+            plan = plan_snapshot(head, threads, thread)
+            metadata = {
+                "notebook_path": path, "notebook_key": key, "thread": plan.thread,
+                "kernel_id": km.kernel_id, "kernel_name": km.kernel_name,
+                "execution_count": execution_count, "connection": self._connection(km),
+                "infinijup_version": __version__, "gpu": None,
+            }
+            self._emit(state, "dump", 30)
+            try:
+                result = await asyncio.to_thread(
+                    self.engine().snapshot, prov.root_pid,
+                    thread=store_thread(key, plan.thread), message=message, metadata=metadata,
+                    parents=list(plan.parents), expected_tip=plan.expected_tip,
+                    on_progress=self._progress(state))
+                return result, plan
+            except Conflict as exc:
+                if getattr(exc, "reason", "") == "operation_running":
+                    raise
+                conflict = exc
+                thread = None
+                head = Head(commit=head.commit, thread=None, base_thread=plan.thread)
+        raise conflict
+
+    async def _resume(self, km, restored: bool) -> None:
+        try:
+            await run_agent(km, agent.expression("resume", restored), self.busy_timeout)
+        except InfinijupError as exc:
+            self.log.warning("infinijup: resume hooks of %s: %s", km.kernel_id, exc.message)
+
+    async def snapshot_for_kernel(self, kernel_id, message, thread, request_id,
+                                  execution_count) -> dict:
+        """A snapshot the kernel asked for (``%snapshot``): it waits on a result file."""
+        self._kernel(kernel_id)
+
+        async def run() -> None:
+            try:
+                out = await self.snapshot(kernel_id, message=message, thread=thread,
+                                          from_kernel=True, execution_count=execution_count)
+            except InfinijupError as exc:
+                out = {"error": {"message": exc.message, "reason": exc.reason}}
+            except Exception as exc:  # the kernel is waiting: it must hear back
+                self.log.exception("infinijup: snapshot for kernel failed")
+                out = {"error": {"message": str(exc), "reason": "internal_error"}}
+            self._write_result(request_id, out)
+
+        self._spawn(run())
+        return {"request_id": request_id}
+
+    def _write_result(self, request_id: str, out: dict) -> None:
+        directory = Path(os.environ.get(config.RESULTS_DIR_ENV) or config.results_dir())
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = directory / f".{request_id}.tmp"
+        tmp.write_text(json.dumps(out))
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, directory / f"{request_id}.json")
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # --- restore -------------------------------------------------------------------------
+    def _resolve(self, key: str, ref: str) -> str:
+        repo = self.repo()
+        threads = notebook_threads(repo.threads(), key)
+        if ref in threads:
+            return threads[ref]
+        return repo.resolve(ref)
+
+    async def restore(self, kernel_id: str, ref: str, *, branch: str | None = None,
+                      wait_idle: bool = False) -> dict:
+        km = self._kernel(kernel_id)
+        prov = self._provisioner(km)
+        path = await self._path(kernel_id)
+        key = notebook_key(path)
+        repo = self.repo()
+        if branch is not None:
+            check_thread_name(branch)
+        commit_id = await asyncio.to_thread(self._resolve, key, ref)
+        commit = await asyncio.to_thread(repo.get_commit, commit_id)
+        threads = notebook_threads(await asyncio.to_thread(repo.threads), key)
+        if branch is not None and branch in threads:
+            raise Conflict(f"thread '{branch}' already exists", reason="thread_exists")
+        self._check_connection(km, commit)
+        state = self._begin(kernel_id, "restore", path)
+        t0 = time.perf_counter()
+        try:
+            if wait_idle:
+                await self._wait_idle(km)
+            self._emit(state, "store", 10)
+            engine = self.engine()
+            images = await asyncio.to_thread(engine.materialize, commit_id)
+            prov.restoring = True
+            try:
+                result = await asyncio.to_thread(engine.restore, images, prov.root_pid,
+                                                 self._progress(state))
+            except RestoreFailed as exc:
+                await self._recover(km, prov, exc)
+                raise
+            prov.attach(result.pid)
+            self._emit(state, "reconnect", 85)
+            answer_s = await wait_answering(km, self.answer_timeout)
+            await self._resume(km, restored=True)
+            commit_thread = (commit.metadata or {}).get("thread", DEFAULT_THREAD)
+            if branch is not None:
+                await asyncio.to_thread(repo.set_thread, store_thread(key, branch), commit_id,
+                                        expected=None)
+                threads[branch] = commit_id
+            head = head_after_restore(commit_id, commit_thread, threads, branch)
+            self._heads[kernel_id] = head
+            self._emit(state, "done", 100, commit=commit_id, thread=head.thread or "")
+            return {"kernel_id": kernel_id, "commit": commit_id, "thread": head.thread,
+                    "duration_s": time.perf_counter() - t0,
+                    "phases": {**result.phases, "answer_s": answer_s}}
+        except InfinijupError as exc:
+            self._emit(state, "error", 100, message=exc.message, reason=exc.reason)
+            raise
+        finally:
+            prov.restoring = False
+            self._end(state)
+
+    def _check_connection(self, km, commit) -> None:
+        saved = (commit.metadata or {}).get("connection") or {}
+        current = self._connection(km)
+        if saved and any(saved.get(k) != current.get(k) for k in _CONNECTION_FIELDS):
+            raise PreflightRefused(
+                "this snapshot was taken by a kernel with other connection settings (ports): "
+                "restoring it into this kernel is not supported yet; restore it from the kernel "
+                "session that took it",
+                reason="connection_mismatch",
+            )
+
+    async def _wait_idle(self, km) -> None:
+        deadline = time.monotonic() + self.busy_timeout
+        while getattr(km, "execution_state", "idle") not in ("idle", "dead"):
+            if time.monotonic() > deadline:
+                raise Conflict(f"the kernel stayed busy for {self.busy_timeout:.0f} s",
+                               reason="kernel_busy")
+            await asyncio.sleep(0.05)
+
+    async def _recover(self, km, prov, exc: RestoreFailed) -> None:
+        """After a failed restore: keep the old kernel if it lives, else start a fresh one."""
+        prov.restoring = False
+        if prov.tracked is not None and prov.tracked.alive():
+            return
+        self.log.warning("infinijup: restore failed (%s); restarting kernel %s fresh",
+                         exc.message, km.kernel_id)
+        try:
+            await self.kernel_manager.restart_kernel(km.kernel_id)
+            self._heads.pop(km.kernel_id, None)
+            exc.args = (f"{exc.message} (the kernel was restarted fresh; every snapshot is "
+                        "intact)",)
+        except Exception as restart_exc:
+            exc.args = (f"{exc.message}; restarting the kernel failed too: {restart_exc}",)
+
+    async def restore_for_kernel(self, kernel_id: str, ref: str, branch: str | None) -> dict:
+        """A restore the kernel asked for (``%restore``): starts once its cell has finished."""
+        km = self._kernel(kernel_id)
+        self._provisioner(km)
+        path = await self._path(kernel_id)
+        commit_id = await asyncio.to_thread(self._resolve, notebook_key(path), ref)
+
+        async def run() -> None:
+            await asyncio.sleep(0.05)
+            try:
+                await self.restore(kernel_id, commit_id, branch=branch, wait_idle=True)
+            except InfinijupError as exc:
+                self.log.warning("infinijup: restore asked by kernel failed: %s", exc.message)
+
+        self._spawn(run())
+        return {"kernel_id": kernel_id, "commit": commit_id}
+
+    # --- branch, history, status -----------------------------------------------------------
+    async def branch(self, kernel_id: str, name: str) -> dict:
+        self._kernel(kernel_id)
+        check_thread_name(name)
+        path = await self._path(kernel_id)
+        key = notebook_key(path)
+        threads = notebook_threads(await asyncio.to_thread(self.repo().threads), key)
+        if name in threads:
+            raise Conflict(f"thread '{name}' already exists", reason="thread_exists")
+        head = self._head(kernel_id)
+        if head.commit is not None:
+            await asyncio.to_thread(self.repo().set_thread, store_thread(key, name),
+                                    head.commit, expected=None)
+        self._heads[kernel_id] = Head(commit=head.commit, thread=name, base_thread=name)
+        return {"kernel_id": kernel_id, "thread": name, "commit": head.commit}
+
+    async def history(self, kernel_id: str | None = None, path: str | None = None) -> dict:
+        if kernel_id is None and path is None:
+            raise BadRequest("give kernel_id or path")
+        if kernel_id is not None:
+            self._kernel(kernel_id)
+            path = await self._path(kernel_id)
+        return await asyncio.to_thread(self._history, path, kernel_id)
+
+    def _history(self, path: str, kernel_id: str | None) -> dict:
+        repo = self.repo()
+        key = notebook_key(path)
+        threads = notebook_threads(repo.threads(), key)
+        commits: dict[str, object] = {}
+        for name in threads:
+            for c in repo.log(store_thread(key, name)):
+                commits.setdefault(c.id, c)
+        ordered = sorted(commits.values(), key=lambda c: c.created, reverse=True)
+        head = self._heads.get(kernel_id) if kernel_id else None
+        if head is None:
+            head = Head(commit=None, thread=DEFAULT_THREAD)
+        return {
+            "path": path,
+            "commits": [self._commit_json(c) for c in ordered],
+            "threads": threads,
+            "head": {"thread": head.thread, "commit": head.commit},
+        }
+
+    @staticmethod
+    def _commit_json(c) -> dict:
+        meta = dict(c.metadata or {})
+        meta.pop("connection", None)  # holds the kernel's HMAC key: never leaves the server
+        stats = {k: v for k, v in dict(getattr(c, "stats", {}) or {}).items()
+                 if k in ("image_bytes", "stored_bytes")}
+        timings = meta.get("timings") or {}
+        stats["pause_s"] = timings.get("dump_s", 0.0)
+        gpu = meta.get("gpu") or {}
+        stats["gpu_bytes"] = int(sum((gpu.get("vram_bytes") or {}).values())) if gpu else 0
+        return {"id": c.id, "parents": list(c.parents), "thread": meta.get("thread", ""),
+                "message": c.message, "created": c.created, "metadata": meta, "stats": stats}
+
+    async def status(self, kernel_id: str | None) -> dict:
+        if not kernel_id:
+            raise BadRequest("give kernel_id")
+        km = self._kernel(kernel_id)
+        managed = isinstance(km.provisioner, InfinijupProvisioner)
+        op = self._ops.get(kernel_id)
+        return {"kernel_id": kernel_id, "managed": managed,
+                "operation": {k: op[k] for k in ("op", "phase", "percent")} if op else None,
+                "head": {"thread": self._head(kernel_id).thread,
+                         "commit": self._head(kernel_id).commit}}
