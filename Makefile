@@ -63,7 +63,7 @@ $(STAMPS)/frontend: $(STAMPS)/venv package.json $(wildcard yarn.lock) $(shell fi
 
 # --- the Python package, server extension, kernelspec ------------------------------------
 $(STAMPS)/install: $(STAMPS)/venv $(STAMPS)/frontend pyproject.toml
-	$(PY) -m pip install -q --no-build-isolation -e ".[test,gpu]"
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pip install -q --no-build-isolation -e ".[test,gpu]"
 	@echo "$(CRIU_PREFIX)/python" > $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/infinijup-pycriu.pth
 	PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/jupyter labextension develop --overwrite . >/dev/null
 	$(VENV)/bin/jupyter server extension enable --sys-prefix infinijup >/dev/null

@@ -30,7 +30,9 @@ def _helper_status(args: argparse.Namespace) -> int:
     except InfinijupError as exc:
         print(f"infinijup: {exc}", file=sys.stderr)
         return 2
-    for k, v in info.items():
+    import dataclasses
+
+    for k, v in dataclasses.asdict(info).items():
         print(f"{k}: {v}")
     return 0
 

@@ -58,10 +58,10 @@ class InfinijupProvisioner(LocalProvisioner):
         logs.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.log_path = str(logs / f"kernel-{self.kernel_id}.log")
         cwd = str(kwargs.get("cwd") or os.getcwd())
-        result = await asyncio.to_thread(
+        pid = await asyncio.to_thread(
             helper.spawn, list(cmd), dict(kwargs["env"]), cwd, self.log_path
         )
-        self.attach(int(result["pid"]))
+        self.attach(pid)
         self.cwd = cwd
         return self.connection_info
 
@@ -92,7 +92,7 @@ class InfinijupProvisioner(LocalProvisioner):
     async def _exit_code(self) -> int:
         try:
             status = await asyncio.to_thread(self.helper().status, self.tracked.pid)
-            code = status.get("exit_code")
+            code = status.exit_code
             return int(code) if code is not None else 1
         except Exception:
             return 1
@@ -108,9 +108,14 @@ class InfinijupProvisioner(LocalProvisioner):
         return code
 
     async def send_signal(self, signum: int) -> None:
-        # The namespace's init forwards signals to the kernel.
-        if self.tracked is not None and self.tracked.alive():
+        # The namespace's init forwards signals to the kernel. It runs as root (CRIU needs
+        # that to dump the namespace), so a server that is not root asks the helper.
+        if self.tracked is None or not self.tracked.alive():
+            return
+        if os.geteuid() == 0:
             os.kill(self.tracked.pid, signum)
+        else:
+            await asyncio.to_thread(self.helper().signal, self.tracked.pid, signum)
 
     async def kill(self, restart: bool = False) -> None:
         if self.tracked is not None and self.tracked.alive():

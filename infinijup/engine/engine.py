@@ -85,12 +85,12 @@ class SnapshotEngine:
             on_progress("dump", {"percent": 30})
             dump = self.helper.dump(pid, str(images), leave_running=True,
                                     on_progress=lambda ph, d: on_progress(ph, d))
-            pause_s = float(dump.get("duration_s", 0.0))
+            pause_s = float(dump.duration_s)
             t_dump = time.perf_counter()
-            on_progress("store", {"percent": 60, "bytes": dump.get("image_bytes", 0)})
+            on_progress("store", {"percent": 60, "bytes": dump.image_bytes})
             meta = dict(metadata)
             meta["timings"] = {**meta.get("timings", {}), "dump_s": pause_s,
-                               **{f"helper_{k}_s": v for k, v in (dump.get("phases") or {}).items()}}
+                               **{f"helper_{k}_s": v for k, v in dump.phases.items()}}
             commit = self.repo.commit_dir(
                 images, thread=thread, message=message, metadata=meta,
                 parents=parents, expected_tip=expected_tip,
@@ -105,7 +105,7 @@ class SnapshotEngine:
         stats = dict(getattr(commit, "stats", {}) or {})
         return DumpResult(
             commit=commit,
-            image_bytes=int(stats.get("image_bytes", dump.get("image_bytes", 0))),
+            image_bytes=int(stats.get("image_bytes", dump.image_bytes)),
             stored_bytes=int(stats.get("stored_bytes", 0)),
             pause_s=pause_s,
             duration_s=t1 - t0,
@@ -133,5 +133,5 @@ class SnapshotEngine:
             raise RestoreFailed(f"restore failed: {exc}", reason=getattr(exc, "reason", None)) from exc
         finally:
             self._discard(images)
-        return RestoreResult(pid=int(result["pid"]), duration_s=time.perf_counter() - t0,
-                             phases=dict(result.get("phases") or {}))
+        return RestoreResult(pid=result.pid, duration_s=time.perf_counter() - t0,
+                             phases=dict(result.phases))

@@ -12,6 +12,7 @@ import ast
 import asyncio
 import json
 import time
+from queue import Empty
 
 from ..errors import Conflict, RestoreFailed
 
@@ -22,7 +23,10 @@ async def _shell_reply(kc, msg_id: str, timeout: float) -> dict:
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError
-        msg = await kc.get_shell_msg(timeout=left)
+        try:
+            msg = await kc.get_shell_msg(timeout=left)
+        except Empty:
+            raise TimeoutError from None
         if msg.get("parent_header", {}).get("msg_id") == msg_id:
             return msg
 

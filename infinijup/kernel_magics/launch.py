@@ -18,6 +18,10 @@ def main() -> None:
     argv = sys.argv[1:]
     if not any(a.startswith("--ext") for a in argv):
         argv = [*argv, "--ext=infinijup.kernel_magics"]
+    # Input history lives in memory, so it is part of every snapshot: a history file on disk
+    # would be shared by every state restored from it (IPython then reports duplicate lines).
+    if not any(a.startswith("--HistoryManager.hist_file") for a in argv):
+        argv = [*argv, "--HistoryManager.hist_file=:memory:"]
     kernelapp.launch_new_instance(argv=argv)
 
 

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import shlex
 import uuid
 
 from IPython.core.magic import Magics, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 
 from . import hooks
 from .graph import _size, render_history
 from .server_client import ServerError, kernel_id, request, wait_result
 
 SNAPSHOT_TIMEOUT_S = 3600.0
+
+
+def parse_argstring(magic, line: str):
+    """Shell-like parsing (quotes removed), unlike IPython's own, which keeps them."""
+    return magic.parser.parse_args(shlex.split(line))
 
 
 @magics_class

@@ -21,6 +21,7 @@ from .. import __version__, config
 from ..engine import Head, SnapshotEngine, plan_snapshot
 from ..engine.heads import head_after_restore
 from ..engine.kernel_channel import run_agent, wait_answering
+from ..engine.reconnect import connections_to, wait_reconnected
 from ..engine.naming import (
     DEFAULT_THREAD,
     check_thread_name,
@@ -83,10 +84,9 @@ class SnapshotManager(LoggingConfigurable):
         return SnapshotEngine(self.repo(), HelperClient(config.helper_socket()))
 
     def _kernel(self, kernel_id: str):
-        try:
-            return self.kernel_manager.get_kernel(kernel_id)
-        except KeyError:
-            raise NotFound(f"no kernel {kernel_id}", reason="unknown_kernel") from None
+        if kernel_id not in self.kernel_manager.list_kernel_ids():
+            raise NotFound(f"no kernel {kernel_id}", reason="unknown_kernel")
+        return self.kernel_manager.get_kernel(kernel_id)
 
     def _provisioner(self, km) -> InfinijupProvisioner:
         prov = km.provisioner
@@ -283,6 +283,9 @@ class SnapshotManager(LoggingConfigurable):
             self._emit(state, "store", 10)
             engine = self.engine()
             images = await asyncio.to_thread(engine.materialize, commit_id)
+            info = km.get_connection_info()
+            ports = [info[k] for k in ("shell_port", "iopub_port", "stdin_port", "control_port")]
+            connected = connections_to(ports)
             prov.restoring = True
             try:
                 result = await asyncio.to_thread(engine.restore, images, prov.root_pid,
@@ -292,6 +295,7 @@ class SnapshotManager(LoggingConfigurable):
                 raise
             prov.attach(result.pid)
             self._emit(state, "reconnect", 85)
+            reconnect_s = await wait_reconnected(connected, self.answer_timeout)
             answer_s = await wait_answering(km, self.answer_timeout)
             await self._resume(km, restored=True)
             commit_thread = (commit.metadata or {}).get("thread", DEFAULT_THREAD)
@@ -304,7 +308,8 @@ class SnapshotManager(LoggingConfigurable):
             self._emit(state, "done", 100, commit=commit_id, thread=head.thread or "")
             return {"kernel_id": kernel_id, "commit": commit_id, "thread": head.thread,
                     "duration_s": time.perf_counter() - t0,
-                    "phases": {**result.phases, "answer_s": answer_s}}
+                    "phases": {**result.phases, "reconnect_s": reconnect_s,
+                               "answer_s": answer_s}}
         except InfinijupError as exc:
             self._emit(state, "error", 100, message=exc.message, reason=exc.reason)
             raise

@@ -1,0 +1,122 @@
+"""The CUDA driver's process checkpoint API (driver >= 570) through cuda-python.
+
+``cuCheckpointProcessLock`` stops new CUDA work of a process, ``...Checkpoint`` moves its device
+memory to host memory and releases the GPU, ``...Restore`` brings it back and ``...Unlock`` lets
+it run. The driver has no rollback of its own: callers unwind with :func:`resume`.
+"""
+
+from __future__ import annotations
+
+import enum
+from functools import lru_cache
+
+from ..errors import InfinijupError
+
+
+class CudaError(InfinijupError):
+    reason = "cuda_failed"
+    http_status = 500
+
+
+class CudaState(enum.Enum):
+    RUNNING = "running"
+    LOCKED = "locked"
+    CHECKPOINTED = "checkpointed"
+    FAILED = "failed"
+    NONE = "none"  # the process holds no CUDA context
+
+
+@lru_cache(maxsize=1)
+def _driver():
+    try:
+        from cuda.bindings import driver  # cuda-python >= 12.6
+    except ImportError:
+        try:
+            from cuda import cuda as driver  # older cuda-python
+        except ImportError as exc:
+            raise CudaError("cuda-python is not installed: pip install 'infinijup[gpu]'",
+                            reason="cuda_unavailable") from exc
+    (err,) = driver.cuInit(0)
+    if int(err) != 0:
+        raise CudaError(f"cuInit failed ({_name(driver, err)}): no usable NVIDIA driver",
+                        reason="cuda_unavailable")
+    if not hasattr(driver, "cuCheckpointProcessLock"):
+        raise CudaError("this cuda-python has no process checkpoint API (needs CUDA 12.8+)",
+                        reason="cuda_unavailable")
+    return driver
+
+
+def _name(driver, err) -> str:
+    try:
+        return getattr(err, "name", None) or str(err)
+    except Exception:
+        return str(err)
+
+
+def available() -> bool:
+    try:
+        _driver()
+        return True
+    except CudaError:
+        return False
+
+
+def _check(result, what: str, pid: int) -> object:
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        raise CudaError(f"{what} of process {pid} failed: {_name(_driver(), err)}")
+    return rest[0] if rest else None
+
+
+def state(pid: int) -> CudaState:
+    drv = _driver()
+    err, st = drv.cuCheckpointProcessGetState(pid)
+    if int(err) != 0:
+        return CudaState.NONE  # not a CUDA process (CUDA_ERROR_NOT_FOUND / NOT_INITIALIZED)
+    name = getattr(st, "name", str(st)).upper()
+    for s in (CudaState.RUNNING, CudaState.LOCKED, CudaState.CHECKPOINTED, CudaState.FAILED):
+        if s.name in name:
+            return s
+    return CudaState.FAILED
+
+
+def lock(pid: int, timeout_ms: int) -> None:
+    drv = _driver()
+    args = drv.CUcheckpointLockArgs()
+    args.timeoutMs = int(timeout_ms)
+    _check(drv.cuCheckpointProcessLock(pid, args), "CUDA lock", pid)
+
+
+def checkpoint(pid: int) -> None:
+    drv = _driver()
+    _check(drv.cuCheckpointProcessCheckpoint(pid, None), "CUDA checkpoint", pid)
+
+
+def restore(pid: int) -> None:
+    drv = _driver()
+    _check(drv.cuCheckpointProcessRestore(pid, None), "CUDA restore", pid)
+
+
+def unlock(pid: int) -> None:
+    drv = _driver()
+    _check(drv.cuCheckpointProcessUnlock(pid, None), "CUDA unlock", pid)
+
+
+def suspend(pid: int, timeout_ms: int) -> None:
+    """Lock and checkpoint: the process's VRAM goes to host memory; unwinds on failure."""
+    lock(pid, timeout_ms)
+    try:
+        checkpoint(pid)
+    except CudaError:
+        unlock(pid)
+        raise
+
+
+def resume(pid: int) -> None:
+    """Bring a process back to RUNNING from whatever checkpoint state it is in."""
+    st = state(pid)
+    if st is CudaState.CHECKPOINTED:
+        restore(pid)
+        st = CudaState.LOCKED
+    if st is CudaState.LOCKED:
+        unlock(pid)

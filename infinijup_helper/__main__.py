@@ -1,0 +1,147 @@
+"""``python -m infinijup_helper [--socket PATH] [--work DIR] [--criu PATH] [--pycriu DIR]
+[--daemon --pidfile PATH --log PATH]``: run the privileged helper (as root)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+from .config import (
+    HelperConfig,
+    default_criu,
+    default_pycriu,
+    default_socket,
+    default_work,
+)
+from .daemon import (
+    Ready,
+    acquire_instance_lock,
+    daemonize,
+    read_pidfile,
+    remove_pidfile,
+    running_instance,
+    write_pidfile,
+)
+
+log = logging.getLogger("infinijup_helper")
+
+NEEDS_ROOT = (
+    "infinijup-helper must run as root: it checkpoints and restores processes with CRIU "
+    "(CAP_SYS_ADMIN, CAP_CHECKPOINT_RESTORE, ptrace of other users' processes), creates PID "
+    "namespaces, and starts kernels as the calling user. Start it with: sudo make helper"
+)
+
+
+def parse_args(argv: list[str] | None) -> HelperConfig:
+    parser = argparse.ArgumentParser(prog="python -m infinijup_helper", description=__doc__)
+    parser.add_argument("--socket", default=default_socket(), help="unix socket to serve")
+    parser.add_argument("--work", default=default_work(), help="root of the callers' work dirs")
+    parser.add_argument("--criu", default=default_criu(), help="CRIU binary (4.2 or newer)")
+    parser.add_argument("--pycriu", default=default_pycriu(), help="directory holding pycriu")
+    parser.add_argument("--daemon", action="store_true", help="detach; return once serving")
+    parser.add_argument("--pidfile", help="write the helper's pid here")
+    parser.add_argument("--log", help="log file (with --daemon; default: discard)")
+    ns = parser.parse_args(argv)
+    if not ns.criu:
+        parser.error(
+            "no CRIU found (INFINIJUP_CRIU, /opt/infinijup/criu, PATH); run: sudo make criu"
+        )
+    return HelperConfig(
+        socket_path=os.path.abspath(ns.socket),
+        work_dir=os.path.abspath(ns.work),
+        criu_binary=ns.criu,
+        pycriu_path=ns.pycriu,
+        daemon=ns.daemon,
+        pidfile=os.path.abspath(ns.pidfile) if ns.pidfile else None,
+        log_path=os.path.abspath(ns.log) if ns.log else None,
+    )
+
+
+def serve(config: HelperConfig, ready: Ready) -> int:
+    """Set everything up, report readiness, serve until SIGTERM/SIGINT."""
+    # Imported here so `--help` and the non-root refusal work without pycriu or protobuf.
+    from .criu import Criu, CriuSettings
+    from .ops import Operations
+    from .paths import WorkDirs
+    from .reaper import Reaper, become_subreaper
+    from .seal import Sealer
+    from .server import HelperServer
+
+    lock_fd = acquire_instance_lock(config)
+    if lock_fd is None:
+        pid = read_pidfile(config.pidfile)
+        ready(f"running pid {pid}" if pid else f"running ({config.lock_path} is locked)")
+        return 0
+    try:
+        become_subreaper()
+        work = WorkDirs(config.work_dir)
+        work.prepare()
+        criu = Criu(CriuSettings(config.criu_binary, config.pycriu_path))
+        reaper = Reaper()
+        ops = Operations(work, criu, reaper, Sealer(os.path.join(work.root, ".seal-key")))
+        server = HelperServer(config.socket_path, ops)
+        server.bind()
+    except Exception as exc:  # noqa: BLE001 - say why we could not start, then exit
+        log.exception("cannot start")
+        ready(f"{type(exc).__name__}: {exc}")
+        return 1
+    reaper.start()
+    if config.pidfile:
+        write_pidfile(config.pidfile)
+
+    def stop(signum: int, _frame: object) -> None:
+        log.info("signal %d: stopping (kernels keep running)", signum)
+        server.shutdown()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    log.info(
+        "infinijup helper %d ready: socket %s, work %s, CRIU %s %s",
+        os.getpid(),
+        config.socket_path,
+        work.root,
+        config.criu_binary,
+        criu.version,
+    )
+    ready(None)
+    try:
+        server.serve_forever()
+    finally:
+        reaper.stop()
+        remove_pidfile(config.pidfile)
+        os.close(lock_fd)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_args(argv)
+    if os.geteuid() != 0:
+        print(NEEDS_ROOT, file=sys.stderr)
+        return 1
+    running = running_instance(config)
+    if running:
+        print(f"infinijup helper already running ({running})")
+        return 0
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if config.daemon:
+        return daemonize(config, serve)
+
+    def ready(error: str | None) -> None:
+        if error is not None and not error.startswith("running"):
+            print(f"infinijup helper failed to start: {error}", file=sys.stderr)
+        elif error is not None:
+            print(f"infinijup helper already running ({error[8:]})")
+
+    return serve(config, ready)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""The CUDA stage of dump and restore pipelines (see stages.py).
+
+Dump: every process of the tree holding a CUDA context is locked and checkpointed (its VRAM
+moves to host memory, so CRIU sees plain memory), CRIU dumps, then (leave running) each is
+restored and unlocked. If anything after the suspend fails, ``rollback`` resumes the GPUs:
+the kernel never stays CHECKPOINTED. Restore: after CRIU has restored the tree, whose
+processes come back CHECKPOINTED, each is restored and unlocked.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from infinijup.gpu import driver
+from infinijup.gpu.preflight import check, read_nvml
+
+from .stages import StageBase
+
+log = logging.getLogger(__name__)
+
+LOCK_TIMEOUT_MS = int(os.environ.get("INFINIJUP_CUDA_LOCK_TIMEOUT_MS", "30000"))
+
+
+def tree_pids(root: int) -> list[int]:
+    """Host pids of ``root`` and all its descendants (from /proc children lists)."""
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        try:
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except OSError:
+            continue
+    return out
+
+
+def _uses_nvidia(pid: int) -> bool:
+    """Cheap pre-filter: does the process map the CUDA driver library?"""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return any("libcuda.so" in line for line in f)
+    except OSError:
+        return False
+
+
+def cuda_pids(root: int) -> list[int]:
+    return [
+        p
+        for p in tree_pids(root)
+        if _uses_nvidia(p) and driver.state(p) is not driver.CudaState.NONE
+    ]
+
+
+def gpu_summary(pids: list[int], seconds: dict[str, float]) -> dict[str, Any]:
+    """What goes into the commit: devices, VRAM per device, fingerprint, phase times."""
+    try:
+        report = read_nvml()
+    except Exception as exc:  # NVML is for the record here; the driver API did the work
+        return {"pids": len(pids), "error": str(exc), "phases": seconds}
+    usage = report.usage_by_gpu(set(pids))
+    return {
+        "pids": len(pids),
+        "vram_bytes": usage,
+        "phases": seconds,
+        "fingerprint": report.fingerprint.to_json(),
+    }
+
+
+class CudaSuspend(StageBase):
+    """Before CRIU dump: preflight, then lock + checkpoint every CUDA process of the tree."""
+
+    name = "cuda_checkpoint"
+
+    def __init__(self, root_pid: int) -> None:
+        self.root_pid = root_pid
+        self.suspended: list[int] = []
+        self.summary: dict[str, Any] | None = None
+
+    def run(self, ctx: Any) -> None:
+        pids = cuda_pids(self.root_pid)
+        if not pids:
+            return
+        t0 = time.monotonic()
+        report = read_nvml()
+        warnings = check(report, set(tree_pids(self.root_pid)))
+        usage = report.usage_by_gpu(set(pids))
+        try:
+            for pid in pids:
+                driver.suspend(pid, LOCK_TIMEOUT_MS)
+                self.suspended.append(pid)
+        except BaseException:
+            self.resume_all()  # the runner rolls back completed stages only: unwind ourselves
+            raise
+        self.summary = {
+            "pids": len(pids),
+            "vram_bytes": usage,
+            "warnings": warnings,
+            "fingerprint": report.fingerprint.to_json(),
+            "phases": {"checkpoint_s": time.monotonic() - t0},
+        }
+
+    def resume_all(self) -> None:
+        errors = []
+        for pid in self.suspended:
+            try:
+                driver.resume(pid)
+            except Exception as exc:
+                errors.append(f"{pid}: {exc}")
+        self.suspended = []
+        if errors:
+            raise driver.CudaError("CUDA resume failed: " + "; ".join(errors))
+
+    def rollback(self, ctx: Any) -> None:
+        self.resume_all()
+
+
+class CudaResumeAfterDump(StageBase):
+    """After a leave-running dump: the kernel's GPUs come back and it goes on."""
+
+    name = "cuda_resume"
+
+    def __init__(self, suspend: CudaSuspend) -> None:
+        self.suspend = suspend
+
+    def run(self, ctx: Any) -> None:
+        t0 = time.monotonic()
+        had = bool(self.suspend.suspended)
+        self.suspend.resume_all()
+        if had and self.suspend.summary is not None:
+            self.suspend.summary["phases"]["resume_s"] = time.monotonic() - t0
+
+
+class CudaResumeRestored(StageBase):
+    """After CRIU restore: restore + unlock every process that came back CHECKPOINTED."""
+
+    name = "cuda_restore"
+
+    def __init__(self, root_pid_of) -> None:
+        self.root_pid_of = root_pid_of  # ctx -> host pid of the restored root
+        self.summary: dict[str, Any] | None = None
+
+    def run(self, ctx: Any) -> None:
+        root = self.root_pid_of(ctx)
+        pids = [
+            p
+            for p in tree_pids(root)
+            if _uses_nvidia(p) and driver.state(p) is driver.CudaState.CHECKPOINTED
+        ]
+        if not pids:
+            return
+        t0 = time.monotonic()
+        for pid in pids:
+            driver.resume(pid)
+        self.summary = {"pids": len(pids), "phases": {"restore_s": time.monotonic() - t0}}

@@ -1,0 +1,1 @@
+pytest_plugins = ["pytest_jupyter.jupyter_server"]

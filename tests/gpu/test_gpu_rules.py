@@ -1,0 +1,119 @@
+"""CPU-only parts of the GPU stage: fingerprint rules, preflight decisions, unwinding.
+
+The driver calls are replaced by a recording fake only to isolate the unwinding logic; the
+real driver path runs on the GPU machine (tests/gpu/test_gpu_kernel.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from infinijup.errors import PreflightRefused
+from infinijup.gpu import driver
+from infinijup.gpu.fingerprint import Fingerprint, GpuInfo, mismatches, remap
+from infinijup.gpu.preflight import GpuProcess, GpuReport, check
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def gpu(i, name=H100, uuid=None, mig=False):
+    return GpuInfo(index=i, name=name, uuid=uuid or f"GPU-{i}", pci_bus_id=f"0000:{i:02x}:00.0",
+                   memory_total=80 * 2**30, mig_enabled=mig)
+
+
+def fp(*gpus, drv="580.159.04"):
+    return Fingerprint(gpus=tuple(gpus), driver_version=drv, cuda_driver_version=13000)
+
+
+def test_same_hardware_matches():
+    assert mismatches(fp(gpu(0)), fp(gpu(0))) == []
+
+
+def test_other_gpu_of_same_model_is_remapped():
+    saved, here = fp(gpu(0, uuid="GPU-a")), fp(gpu(0, uuid="GPU-b"))
+    assert mismatches(saved, here) == []
+    assert remap(saved, here) == [("GPU-a", "GPU-b")]
+
+
+def test_model_count_and_driver_mismatches_are_named():
+    assert "model differs" in mismatches(fp(gpu(0)), fp(gpu(0, name="NVIDIA H200")))[0]
+    assert "2 GPU(s)" in mismatches(fp(gpu(0), gpu(1)), fp(gpu(0)))[0]
+    assert "driver differs" in mismatches(fp(gpu(0)), fp(gpu(0), drv="575.1"))[0]
+    assert mismatches(fp(gpu(0)), fp(gpu(0), drv="580.200.01")) == []
+
+
+def test_fingerprint_round_trips_json():
+    f = fp(gpu(0), gpu(1, uuid="GPU-x"))
+    assert Fingerprint.from_json(f.to_json()) == f
+
+
+def report(*procs, gpus=(gpu(0),), drv="580.159.04"):
+    return GpuReport(fingerprint=fp(*gpus, drv=drv), processes=tuple(procs))
+
+
+def test_preflight_refuses_old_driver():
+    with pytest.raises(PreflightRefused) as e:
+        check(report(GpuProcess(10, "GPU-0", 1), drv="550.54"), {10})
+    assert e.value.reason == "driver_too_old" and e.value.http_status == 422
+
+
+def test_preflight_refuses_mig():
+    with pytest.raises(PreflightRefused) as e:
+        check(report(GpuProcess(10, "GPU-0", 1), gpus=(gpu(0, mig=True),)), {10})
+    assert e.value.reason == "mig_unsupported"
+
+
+def test_preflight_warns_about_outside_processes_and_counts_usage():
+    r = report(GpuProcess(10, "GPU-0", 5), GpuProcess(11, "GPU-0", 7), GpuProcess(99, "GPU-0", 1))
+    warnings = check(r, {10, 11})
+    assert len(warnings) == 1 and "99" in warnings[0]
+    assert r.usage_by_gpu({10, 11}) == {"GPU-0": 12}
+
+
+class FakeDriver:
+    """Records calls; fails the checkpoint of one pid."""
+
+    def __init__(self, fail_pid):
+        self.fail_pid, self.calls, self.states = fail_pid, [], {}
+
+    def suspend(self, pid, timeout_ms):
+        self.calls.append(("suspend", pid))
+        if pid == self.fail_pid:
+            raise driver.CudaError("checkpoint failed")
+        self.states[pid] = driver.CudaState.CHECKPOINTED
+
+    def resume(self, pid):
+        self.calls.append(("resume", pid))
+        self.states[pid] = driver.CudaState.RUNNING
+
+
+def test_failed_suspend_resumes_what_was_suspended(monkeypatch):
+    from infinijup_helper import cuda_stage
+    from infinijup_helper.stages import StageBase, run_stages
+
+    fake = FakeDriver(fail_pid=3)
+    monkeypatch.setattr(cuda_stage, "cuda_pids", lambda root: [1, 2, 3])
+    monkeypatch.setattr(cuda_stage, "read_nvml", lambda: report(GpuProcess(1, "GPU-0", 1)))
+    monkeypatch.setattr(cuda_stage, "tree_pids", lambda root: [1, 2, 3])
+    monkeypatch.setattr(cuda_stage.driver, "suspend", fake.suspend)
+    monkeypatch.setattr(cuda_stage.driver, "resume", fake.resume)
+    stage = cuda_stage.CudaSuspend(1)
+    with pytest.raises(driver.CudaError):
+        run_stages([stage], object(), lambda *a: None)
+    # The stage itself failed: it resumed the two it had suspended before re-raising.
+    assert ("resume", 1) in fake.calls and ("resume", 2) in fake.calls
+    assert all(s is driver.CudaState.RUNNING for s in fake.states.values())
+
+    # A later stage fails (say CRIU): the GPU stage is rolled back, nothing stays checkpointed.
+    fake2 = FakeDriver(fail_pid=None)
+    monkeypatch.setattr(cuda_stage.driver, "suspend", fake2.suspend)
+    monkeypatch.setattr(cuda_stage.driver, "resume", fake2.resume)
+
+    class CriuFails(StageBase):
+        name = "dump"
+
+        def run(self, ctx):
+            raise RuntimeError("criu failed")
+
+    with pytest.raises(RuntimeError):
+        run_stages([cuda_stage.CudaSuspend(1), CriuFails()], object(), lambda *a: None)
+    assert [c for c in fake2.calls if c[0] == "resume"] == [("resume", 1), ("resume", 2), ("resume", 3)]

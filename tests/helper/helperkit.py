@@ -1,0 +1,323 @@
+"""Fixtures and tools for the helper's tests: a real helper daemon on a temp socket, real kernels.
+
+Nothing is mocked. Tests that need root or CRIU are skipped, with the reason, when either is
+missing; the protocol parser tests run anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+CRIU = os.environ.get("INFINIJUP_CRIU") or "/opt/infinijup/criu/sbin/criu"
+PYCRIU = os.environ.get("INFINIJUP_PYCRIU") or "/opt/infinijup/criu/python"
+OTHER_USER = "infinijup-test-other"
+
+
+def _missing_requirement() -> str | None:
+    if os.geteuid() != 0:
+        return "the helper tests need root (CRIU, PID namespaces): run them with sudo"
+    if not os.access(CRIU, os.X_OK):
+        return f"CRIU not found at {CRIU}: run `sudo make criu` (or set INFINIJUP_CRIU)"
+    if not os.path.isdir(os.path.join(PYCRIU, "pycriu")):
+        return f"pycriu not found in {PYCRIU}: run `sudo make criu` (or set INFINIJUP_PYCRIU)"
+    return None
+
+
+MISSING = _missing_requirement()
+needs_root_and_criu = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+
+
+def helper_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["INFINIJUP_CRIU"] = CRIU
+    env["INFINIJUP_PYCRIU"] = PYCRIU
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def socket_answers(path: str) -> bool:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+@dataclass
+class HelperDaemon:
+    """One real helper process, serving ``socket_path`` with work root ``work_dir``."""
+
+    base: Path
+    socket_path: str = ""
+    work_dir: str = ""
+    log_path: str = ""
+    proc: subprocess.Popen | None = None
+    _log: Any = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.socket_path = str(self.base / "run" / "helper.sock")
+        self.work_dir = str(self.base / "work")
+        self.log_path = str(self.base / "helper.log")
+
+    def argv(self, *extra: str) -> list[str]:
+        return [
+            PYTHON, "-m", "infinijup_helper",
+            "--socket", self.socket_path, "--work", self.work_dir, "--criu", CRIU, *extra,
+        ]  # fmt: skip
+
+    def start(self, timeout: float = 20.0) -> None:
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            self.argv(), env=helper_env(), stdout=self._log, stderr=subprocess.STDOUT, cwd="/"
+        )
+        deadline = time.monotonic() + timeout
+        while not socket_answers(self.socket_path):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"helper exited {self.proc.returncode}:\n{self.log()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"helper did not start:\n{self.log()}")
+            time.sleep(0.05)
+
+    def log(self) -> str:
+        try:
+            return Path(self.log_path).read_text(errors="replace")[-5000:]
+        except OSError:
+            return ""
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+def make_base() -> Path:
+    """A temp dir other users can traverse (the socket must be reachable by them)."""
+    base = Path(tempfile.mkdtemp(prefix="ijh-"))
+    os.chmod(base, 0o755)
+    return base
+
+
+@pytest.fixture(scope="session")
+def helper() -> Iterator[HelperDaemon]:
+    if MISSING:
+        pytest.skip(MISSING)
+    daemon = HelperDaemon(make_base())
+    daemon.start()
+    yield daemon
+    daemon.stop()
+    shutil.rmtree(daemon.base, ignore_errors=True)
+
+
+@pytest.fixture
+def client(helper: HelperDaemon):
+    from infinijup.helper_client import HelperClient
+
+    return HelperClient(helper.socket_path, timeout=120)
+
+
+class Trees:
+    """Remembers trees a test started and kills whatever is left of them afterwards."""
+
+    def __init__(self) -> None:
+        self.pids: list[int] = []
+
+    def add(self, pid: int) -> int:
+        self.pids.append(pid)
+        return pid
+
+    def cleanup(self) -> None:
+        """SIGKILL every tree still running and wait until it is gone (the helper reaps it)."""
+        for pid in self.pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 10
+        for pid in self.pids:
+            while time.monotonic() < deadline:
+                try:
+                    with open(f"/proc/{pid}/stat") as f:
+                        if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                            break
+                except FileNotFoundError:
+                    break
+                time.sleep(0.01)
+
+
+@pytest.fixture
+def trees() -> Iterator[Trees]:
+    t = Trees()
+    yield t
+    t.cleanup()
+
+
+def kernel_env() -> dict[str, str]:
+    return {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": os.environ.get("HOME", "/root"),
+        "LANG": "C.UTF-8",
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+@dataclass
+class Kernel:
+    pid: int
+    connection_file: str
+    log_path: str
+    kc: Any  # BlockingKernelClient
+
+    def execute(self, code: str, timeout: float = 20.0) -> dict[str, Any]:
+        """Run code; return the shell reply's content (user_expressions included)."""
+        return self.execute_with(code, {}, timeout)
+
+    def execute_with(
+        self, code: str, expressions: dict[str, str], timeout: float = 20.0
+    ) -> dict[str, Any]:
+        msg_id = self.kc.execute(code, user_expressions=expressions, store_history=False)
+        deadline = time.monotonic() + timeout
+        while True:
+            reply = self.kc.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))
+            if reply["parent_header"].get("msg_id") == msg_id:
+                assert reply["content"]["status"] == "ok", reply["content"]
+                return reply["content"]
+
+    def evaluate(self, **expressions: str) -> dict[str, str]:
+        content = self.execute_with("", expressions)
+        out = {}
+        for name, value in content["user_expressions"].items():
+            assert value["status"] == "ok", value
+            out[name] = value["data"]["text/plain"]
+        return out
+
+    def wait_answering(self, timeout: float = 20.0) -> float:
+        """Send kernel_info requests until a shell reply *and* an iopub status message for the
+        same request arrive. After a restore the client's ZMQ sockets reconnect and the first
+        messages can be lost (slow joiner), so one request is not enough."""
+        start = time.monotonic()
+        while time.monotonic() - start < timeout:
+            msg_id = self.kc.kernel_info()
+            got_reply = got_status = False
+            until = time.monotonic() + 1.0
+            while time.monotonic() < until and not (got_reply and got_status):
+                for channel, flag in (
+                    (self.kc.shell_channel, "reply"),
+                    (self.kc.iopub_channel, "status"),
+                ):
+                    try:
+                        msg = channel.get_msg(timeout=0.05)
+                    except queue.Empty:
+                        continue
+                    if msg["parent_header"].get("msg_id") != msg_id:
+                        continue
+                    if flag == "reply" and msg["msg_type"] == "kernel_info_reply":
+                        got_reply = True
+                    if flag == "status" and msg["msg_type"] == "status":
+                        got_status = True
+            if got_reply and got_status:
+                return time.monotonic() - start
+        raise TimeoutError(f"kernel did not answer within {timeout} s")
+
+    def close(self) -> None:
+        self.kc.stop_channels()
+
+
+def start_kernel(client: Any, trees: Trees, name: str = "kernel") -> Kernel:
+    from jupyter_client import BlockingKernelClient
+    from jupyter_client.connect import write_connection_file
+
+    work = client.work_dir()
+    conn = os.path.join(work, f"{name}-{os.getpid()}-{time.monotonic_ns()}.json")
+    write_connection_file(conn, ip="127.0.0.1")
+    log_path = conn[:-5] + ".log"
+    pid = trees.add(
+        client.spawn([PYTHON, "-m", "ipykernel_launcher", "-f", conn], kernel_env(), work, log_path)
+    )
+    kc = BlockingKernelClient(connection_file=conn)
+    kc.load_connection_file()
+    kc.start_channels()
+    kernel = Kernel(pid=pid, connection_file=conn, log_path=log_path, kc=kc)
+    kernel.wait_answering(timeout=30)
+    return kernel
+
+
+@pytest.fixture
+def kernel(client: Any, trees: Trees) -> Iterator[Kernel]:
+    k = start_kernel(client, trees)
+    yield k
+    k.close()
+
+
+def wait_for(predicate: Any, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def read_nspid(pid: int) -> list[int]:
+    """The NSpid line of /proc/PID/status: the pid in each namespace, outermost first."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("NSpid:"):
+                return [int(x) for x in line.split()[1:]]
+    raise AssertionError(f"no NSpid for {pid}")
+
+
+def children_of(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(x) for x in f.read().split()]
+    except FileNotFoundError:
+        pass
+    return out
+
+
+# A process tree for round trips: a parent reading fixed-width records from a file it holds open
+# (unbuffered, so the offset lives in the kernel), one child, and a SIGUSR1 handler that reads
+# and prints the next record.
+READER_SCRIPT = """\
+import os, signal, sys, time
+fd = os.open(sys.argv[1], os.O_RDONLY)
+for _ in range(3):
+    os.read(fd, 5)
+child = os.fork()
+if child == 0:
+    while True:
+        time.sleep(1)
+def on_usr1(signum, frame):
+    print("read " + os.read(fd, 5).decode().strip(), flush=True)
+signal.signal(signal.SIGUSR1, on_usr1)
+print("ready", flush=True)
+while True:
+    signal.pause()
+"""

@@ -1,0 +1,299 @@
+"""Another real user connecting to the socket cannot touch root's kernel or root's images."""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helperkit import OTHER_USER, READER_SCRIPT, Kernel, children_of, needs_root_and_criu, wait_for
+
+pytestmark = needs_root_and_criu
+
+
+@pytest.fixture(scope="module")
+def other_user() -> Iterator[pwd.struct_passwd]:
+    if shutil.which("useradd") is None:
+        pytest.skip("useradd is not installed")
+    created = False
+    try:
+        pwd.getpwnam(OTHER_USER)
+    except KeyError:
+        subprocess.run(
+            ["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", OTHER_USER], check=True
+        )
+        created = True
+    user = pwd.getpwnam(OTHER_USER)
+    yield user
+    if created:
+        _wait_until_no_process_of(user.pw_uid)
+        subprocess.run(["userdel", OTHER_USER], check=True)
+
+
+def _wait_until_no_process_of(uid: int, timeout: float = 10.0) -> None:
+    """userdel refuses a user who still runs processes; killed trees take a moment to go."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        busy = False
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                try:
+                    busy = busy or os.stat(f"/proc/{name}").st_uid == uid
+                except FileNotFoundError:
+                    pass
+        if not busy:
+            return
+        time.sleep(0.05)
+
+
+def flip_last_byte(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+
+
+def client_status_alive(client: Any, user: pwd.struct_passwd, pid: int) -> bool:
+    return as_user(user, lambda: client.status(pid).alive)["value"]
+
+
+def as_user(user: pwd.struct_passwd, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` in a forked child that has become ``user``; return what it returned, or
+    {"error": reason} for an Infinijup error it raised."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read_fd)
+            os.setgroups([])
+            os.setgid(user.pw_gid)
+            os.setuid(user.pw_uid)
+            try:
+                out: Any = {"value": fn()}
+            except Exception as exc:  # noqa: BLE001 - report it to the parent
+                out = {"error": getattr(exc, "reason", type(exc).__name__), "message": str(exc)}
+            os.write(write_fd, json.dumps(out, default=repr).encode())
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    with os.fdopen(read_fd) as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    return json.loads(data)
+
+
+def test_other_user_cannot_act_on_roots_kernel(helper, client, kernel: Kernel, other_user) -> None:
+    from infinijup.helper_client import HelperClient
+
+    other = HelperClient(helper.socket_path, timeout=60)
+    hello = as_user(other_user, lambda: other.hello().__dict__)["value"]
+    assert hello["uid"] == other_user.pw_uid
+    their_work = hello["work_dir"]
+    assert os.stat(their_work).st_uid == other_user.pw_uid
+
+    root_images = os.path.join(client.work_dir(), f"perm-images-{kernel.pid}")
+    client.dump(kernel.pid, root_images)
+
+    attempts = {
+        "dump": lambda: other.dump(kernel.pid, os.path.join(their_work, "stolen")),
+        "kill": lambda: other.kill(kernel.pid),
+        "restore over": lambda: other.restore(
+            os.path.join(their_work, "nothing"), replace_pid=kernel.pid
+        ),
+        "status": lambda: other.status(kernel.pid),
+    }
+    for what, attempt in attempts.items():
+        result = as_user(other_user, attempt)
+        assert result.get("error") == "permission_denied", (what, result)
+
+    # root's images, even copied into their own work dir and given to them, stay root's
+    copied = os.path.join(their_work, "copied-images")
+    shutil.copytree(root_images, copied)
+    for dirpath, _dirs, files in os.walk(copied):
+        os.chown(dirpath, other_user.pw_uid, other_user.pw_gid)
+        for name in files:
+            os.chown(os.path.join(dirpath, name), other_user.pw_uid, other_user.pw_gid)
+    result = as_user(other_user, lambda: other.restore(copied))
+    assert result.get("error") == "permission_denied", result
+    assert "dumped for uid 0" in result["message"]
+
+    # and the credential check behind the seal refuses them too (real images, run directly)
+    from helperkit import CRIU, PYCRIU
+
+    from infinijup_helper.criu import Criu, CriuSettings, check_creds
+    from infinijup_helper.protocol import RequestError
+
+    criu = Criu(CriuSettings(CRIU, PYCRIU))
+    fd = os.open(root_images, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(RequestError) as refused:
+            check_creds(criu, fd, other_user.pw_uid, [other_user.pw_gid])
+        assert refused.value.reason == "permission_denied"
+        assert "runs as uid(s) [0, 0, 0, 0]" in refused.value.message
+        assert check_creds(criu, fd, 0, [0]) >= 1
+    finally:
+        os.close(fd)
+
+    # the kernel is untouched by all of this
+    assert client.status(kernel.pid).alive
+    kernel.wait_answering()
+    client.release(root_images)
+    shutil.rmtree(copied)
+
+
+def test_other_user_sees_no_exit_codes_of_roots_trees(helper, client, trees, other_user) -> None:
+    from helperkit import PYTHON, kernel_env
+
+    from infinijup.helper_client import HelperClient
+
+    work = client.work_dir()
+    root = trees.add(
+        client.spawn(
+            [PYTHON, "-c", "raise SystemExit(4)"], kernel_env(), work, os.path.join(work, "e4.log")
+        )
+    )
+    wait_for(lambda: client.status(root).exit_code == 4, what="exit 4")
+    other = HelperClient(helper.socket_path, timeout=60)
+    assert as_user(other_user, lambda: other.status(root).__dict__)["value"] == {
+        "alive": False,
+        "exit_code": None,
+    }
+
+
+SYSTEM_PYTHON = "/usr/bin/python3"  # the venv's may live where other users cannot reach
+needs_system_python = pytest.mark.skipif(
+    not os.access(SYSTEM_PYTHON, os.X_OK), reason=f"{SYSTEM_PYTHON} is missing"
+)
+
+
+def _root_has_cap_sys_resource() -> bool:
+    from infinijup_helper.proc import CAP_SYS_RESOURCE, has_capability
+
+    return has_capability(CAP_SYS_RESOURCE)
+
+
+class OwnTree:
+    """A reader tree (helperkit.READER_SCRIPT) that the other user spawned in their work dir."""
+
+    def __init__(self, helper, trees, user: pwd.struct_passwd) -> None:
+        import time
+
+        from infinijup.helper_client import HelperClient
+
+        self.user = user
+        self.client = HelperClient(helper.socket_path, timeout=60)
+        self.work = self.as_user(lambda: self.client.work_dir())["value"]
+        tag = time.monotonic_ns()
+        data, script, self.log = (
+            os.path.join(self.work, f"{n}-{tag}") for n in ("data", "reader.py", "log")
+        )
+        Path(data).write_text("".join(f"{i:04d}\n" for i in range(1000)))
+        Path(script).write_text(READER_SCRIPT)
+        for path in (data, script):
+            os.chown(path, user.pw_uid, user.pw_gid)
+        env = {"PATH": "/usr/bin:/bin", "HOME": self.work}
+        argv = [SYSTEM_PYTHON, script, data]
+        spawned = self.as_user(lambda: self.client.spawn(argv, env, self.work, self.log))
+        self.root = trees.add(spawned["value"])
+        wait_for(lambda: "ready" in self.lines(), what="reader ready")
+
+    def as_user(self, fn: Callable[[], Any]) -> Any:
+        return as_user(self.user, fn)
+
+    def lines(self) -> list[str]:
+        return Path(self.log).read_text().splitlines() if os.path.exists(self.log) else []
+
+    def poke(self, pid: int, expect: str) -> None:
+        """SIGUSR1 through the signal op (as the user); the reader prints its next record."""
+        before = len(self.lines())
+        assert self.as_user(lambda: self.client.signal(pid, signal.SIGUSR1)) == {"value": None}
+        wait_for(lambda: len(self.lines()) > before, what=expect)
+        assert self.lines()[before] == expect
+
+
+@needs_system_python
+def test_other_user_spawns_signals_and_kills_their_own_tree(helper, trees, other_user) -> None:
+    """The normal case: Jupyter as an ordinary user. Their tree's init is root-owned (CRIU
+    needs that), their kernel is theirs, and the helper lets them drive it."""
+    tree = OwnTree(helper, trees, other_user)
+    (kernel,) = children_of(tree.root)
+    assert os.stat(f"/proc/{tree.root}").st_uid == 0  # the init
+    assert os.stat(f"/proc/{kernel}").st_uid == other_user.pw_uid  # the kernel
+    # they cannot signal the root-owned init themselves: that is what the signal op is for
+    denied = tree.as_user(lambda: os.kill(tree.root, signal.SIGUSR1))
+    assert denied.get("error") == "PermissionError"
+    tree.poke(tree.root, "read 0003")
+    assert tree.as_user(lambda: tree.client.status(tree.root).alive) == {"value": True}
+    assert tree.as_user(lambda: tree.client.kill(tree.root)) == {"value": None}
+    assert not os.path.exists(f"/proc/{kernel}")
+    status = tree.as_user(lambda: tree.client.status(tree.root).__dict__)["value"]
+    assert status == {"alive": False, "exit_code": -9}
+
+
+@needs_system_python
+@pytest.mark.skipif(
+    not _root_has_cap_sys_resource(),
+    reason="root lacks CAP_SYS_RESOURCE here (sandboxed VM), so CRIU cannot read another "
+    "user's rlimits and no non-root process can be dumped",
+)
+def test_other_user_round_trips_their_own_tree(helper, trees, other_user) -> None:
+    tree = OwnTree(helper, trees, other_user)
+    tree.poke(tree.root, "read 0003")
+    images = os.path.join(tree.work, "own-images")
+    dumped = tree.as_user(lambda: tree.client.dump(tree.root, images).__dict__)
+    assert "value" in dumped, dumped
+    assert os.stat(images).st_uid == other_user.pw_uid
+    tree.poke(tree.root, "read 0004")
+
+    restored = tree.as_user(lambda: tree.client.restore(images, replace_pid=tree.root).pid)
+    assert "value" in restored, restored
+    new_root = trees.add(restored["value"])
+    tree.poke(new_root, "read 0004")
+    (new_kernel,) = children_of(new_root)
+    assert os.stat(f"/proc/{new_kernel}").st_uid == other_user.pw_uid
+
+    # Their images are sealed for them. The kernel's private memory is sealed by size only;
+    # everything else, the root-owned init's memory included, by hash: tampering is refused.
+    seal = json.load(open(os.path.join(images, "infinijup-seal.json")))
+    assert seal["owner"] == other_user.pw_uid
+    by_hash = {n for n, v in seal["files"].items() if v["sha256"] is not None}
+    assert "pages-1.img" in by_hash and "files.img" in by_hash
+    assert any(n.startswith("pages-") and n not in by_hash for n in seal["files"])
+    for victim in ("files.img", "pages-1.img"):
+        flip_last_byte(os.path.join(images, victim))
+        result = tree.as_user(lambda: tree.client.restore(images, replace_pid=new_root))
+        assert result.get("error") == "permission_denied", result
+        assert f"{victim} differs" in result["message"]
+        flip_last_byte(os.path.join(images, victim))
+    planted = os.path.join(images, "pages-1.img")
+    os.rename(planted, planted + ".bak")
+    os.symlink("/etc/shadow", planted)
+    os.lchown(planted, other_user.pw_uid, other_user.pw_gid)
+    result = tree.as_user(lambda: tree.client.restore(images))
+    assert result.get("error") == "permission_denied" and "pages-1.img" in result["message"]
+    os.unlink(planted)
+    os.rename(planted + ".bak", planted)
+
+    assert tree.as_user(lambda: tree.client.kill(new_root)) == {"value": None}
+    shutil.rmtree(images)
+
+
+@needs_system_python
+@pytest.mark.skipif(_root_has_cap_sys_resource(), reason="root has CAP_SYS_RESOURCE here")
+def test_non_root_dump_is_refused_clearly_without_cap_sys_resource(helper, trees, other_user):
+    tree = OwnTree(helper, trees, other_user)
+    images = os.path.join(tree.work, "never")
+    result = tree.as_user(lambda: tree.client.dump(tree.root, images))
+    assert result.get("error") == "unsupported" and "CAP_SYS_RESOURCE" in result["message"]
+    assert not os.path.exists(images)
+    assert tree.as_user(lambda: tree.client.kill(tree.root)) == {"value": None}

@@ -1,0 +1,170 @@
+"""The user's story of issue 4, against a real Jupyter server, real kernels and real CRIU:
+snapshot, change, restore (same notebook, same websocket), branch, history, and the state that
+pickling cannot carry."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from conftest import needs_helper
+
+pytestmark = [needs_helper, __import__("pytest").mark.timeout(240)]
+
+SETUP = """
+x = 1
+import numpy as np
+rng = np.random.default_rng(0)
+a = rng.random(10**7)
+"""
+
+# What pickling-based tools cannot carry: a file mid-read, a generator halfway, a running
+# thread, a closure, an in-memory sqlite database, a C extension object mid-computation.
+UNPICKLABLE = """
+import hashlib, os, sqlite3, tempfile, threading, time
+_p = os.path.join(tempfile.mkdtemp(), "lines.txt")
+with open(_p, "w") as f:
+    f.write("".join(f"line {i}\\n" for i in range(100)))
+fh = open(_p)
+first = [fh.readline() for _ in range(10)]
+def counter():
+    n = 0
+    while True:
+        yield n
+        n += 1
+gen = counter(); [next(gen) for _ in range(5)]
+def make_adder(k):
+    return lambda v: v + k
+add7 = make_adder(7)
+db = sqlite3.connect(":memory:")
+db.execute("create table t (k integer primary key, v text)")
+db.executemany("insert into t (v) values (?)", [(f"v{i}",) for i in range(50)])
+db.commit()
+h = hashlib.sha256(b"part one;")
+ticks = [0]
+def ticker():
+    while True:
+        ticks[0] += 1
+        time.sleep(0.01)
+bg = threading.Thread(target=ticker, daemon=True); bg.start()
+"""
+
+CHECK_UNPICKLABLE = """
+print(repr((fh.readline(), next(gen), add7(35), db.execute("select count(*), max(v) from t").fetchone(),
+            h.copy().hexdigest(), bg.is_alive())))
+"""
+
+
+async def test_snapshot_restore_branch_story(notebook, jp_fetch):
+    nb = notebook
+    await nb.execute(SETUP)
+    await nb.execute(UNPICKLABLE)
+    digest = await nb.value("hashlib.sha256(a.tobytes()).hexdigest()")
+    count_at_a = (await nb.execute("pass"))["reply"]["execution_count"]
+
+    # 2. Snapshot A; draw once right after it; x = 2; snapshot B.
+    snap_a = await nb.snapshot(message="A")
+    a_id = snap_a["commit"]
+    assert snap_a["thread"] == "main" and snap_a["parents"] == []
+    assert snap_a["stats"]["image_bytes"] > 80 * 2**20  # the 76 MiB array is in there
+    draw_after_a = await nb.value("rng.random()")
+    expected_unpicklable = await nb.value(CHECK_UNPICKLABLE.strip().removeprefix("print(repr(").removesuffix("))"))
+    await nb.execute("x = 2")
+    snap_b = await nb.snapshot(message="B")
+    assert snap_b["thread"] == "main" and snap_b["parents"] == [a_id]
+    # Dedup: B adds far less than A's image.
+    assert snap_b["stats"]["stored_bytes"] < snap_a["stats"]["image_bytes"] * 0.2, snap_b
+
+    # 3. Restore A on the same websocket, no reconnect by hand.
+    restored = await nb.restore(a_id[:10])
+    assert restored["commit"] == a_id and restored["kernel_id"] == nb.kernel_id
+    out = await nb.execute("print(repr((x, rng.random())))")
+    assert eval(out["stdout"]) == (1, draw_after_a)
+    assert out["reply"]["execution_count"] == count_at_a + 1
+    assert await nb.value("hashlib.sha256(a.tobytes()).hexdigest()") == digest
+    # 5. The unpicklable state came back too (and the thread is running again).
+    assert await nb.value(CHECK_UNPICKLABLE.strip().removeprefix("print(repr(").removesuffix("))")) == expected_unpicklable
+    t0 = await nb.value("ticks[0]")
+    await asyncio.sleep(0.3)
+    assert await nb.value("ticks[0]") > t0
+
+    # 4. From A: x = 3, snapshot C lands on a new thread; B is not lost.
+    await nb.execute("x = 3")
+    snap_c = await nb.snapshot(message="C")
+    assert snap_c["thread"] not in ("main", "") and snap_c["parents"] == [a_id]
+    hist = await nb.history()
+    ids = {c["id"]: c for c in hist["commits"]}
+    assert set(ids) == {a_id, snap_b["commit"], snap_c["commit"]}
+    assert hist["threads"]["main"] == snap_b["commit"]
+    assert hist["threads"][snap_c["thread"]] == snap_c["commit"]
+    assert ids[snap_b["commit"]]["parents"] == [a_id] == ids[snap_c["commit"]]["parents"]
+    assert hist["head"] == {"thread": snap_c["thread"], "commit": snap_c["commit"]}
+    assert "connection" not in ids[a_id]["metadata"]  # the kernel's key never leaves the server
+
+    # Restoring B by thread name gives x == 2; the next snapshot goes on main again.
+    await nb.restore("main")
+    assert await nb.value("x") == 2
+    snap_d = await nb.snapshot(message="D")
+    assert snap_d["thread"] == "main" and snap_d["parents"] == [snap_b["commit"]]
+
+
+async def test_snapshot_waits_for_a_running_cell(notebook):
+    nb = notebook
+    await nb.execute("import time")
+    # A cell that outlives the 2 s busy timeout: 409, and the cell is not cut.
+    long_cell = nb.send_execute("time.sleep(4); print('finished')")
+    await asyncio.sleep(0.3)
+    r = await nb.post("snapshot", {"kernel_id": nb.kernel_id})
+    assert r.code == 409, r.body
+    assert json.loads(r.body)["reason"] == "kernel_busy"
+    out = await nb.collect(long_cell, timeout=20)
+    assert out["stdout"] == "finished\n" and out["reply"]["status"] == "ok"
+    # A short cell: the snapshot waits for it, then succeeds.
+    short_cell = nb.send_execute("time.sleep(1); y = 42")
+    await asyncio.sleep(0.2)
+    snap = await nb.snapshot(message="after the cell")
+    await nb.collect(short_cell)
+    await nb.restore(snap["commit"])
+    assert await nb.value("y") == 42
+
+
+async def test_magics(notebook):
+    nb = notebook
+    await nb.execute("z = 'first'")
+    out = await nb.execute("%snapshot -m 'from the magic'")
+    assert out["stdout"].startswith("Snapshot "), out
+    hist = await nb.history()
+    assert [c["message"] for c in hist["commits"]] == ["from the magic"]
+    first = hist["commits"][0]["id"]
+    await nb.execute("z = 'second'")
+    out = await nb.execute(f"%restore {first[:12]}")
+    assert "Restoring" in out["stdout"]
+    for _ in range(100):  # the restore starts once the %restore cell is done
+        await asyncio.sleep(0.2)
+        if (await nb.history())["head"]["commit"] == first:
+            break
+    assert await nb.value("z") == "first"
+    out = await nb.execute("%history")
+    assert first[:12] in out["stdout"] and "HEAD" in out["stdout"]
+    out = await nb.execute("%branch side")
+    assert "side" in out["stdout"]
+    out = await nb.execute("%snapshot")
+    assert "on thread 'side'" in out["stdout"], out
+
+
+async def test_errors(notebook, jp_fetch):
+    nb = notebook
+    r = await nb.post("snapshot", {"kernel_id": "no-such-kernel"})
+    assert r.code == 404 and json.loads(r.body)["reason"] == "unknown_kernel"
+    r = await nb.post("restore", {"kernel_id": nb.kernel_id, "commit": "deadbeefdeadbeef"})
+    assert r.code == 404, r.body
+    assert set(json.loads(r.body)) == {"message", "reason"}
+    r = await nb.post("restore", {"kernel_id": nb.kernel_id})
+    assert r.code == 400
+    r = await jp_fetch("infinijup", "snapshot", method="POST", body="not json", raise_error=False)
+    assert r.code == 400
+    r = await nb.post("snapshot", {"kernel_id": nb.kernel_id, "thread": "../bad"})
+    assert r.code == 400
+    # The kernel is untouched by all of that.
+    await nb.execute("w = 5")
+    assert await nb.value("w") == 5
