@@ -42,6 +42,7 @@ class DumpResult:
     image_bytes: int
     duration_s: float
     phases: Mapping[str, float]
+    gpu: Mapping[str, Any] | None = None  # devices, VRAM bytes, fingerprint (GPU kernels only)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class RestoreResult:
     pid: int
     duration_s: float
     phases: Mapping[str, float]
+    gpu: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,7 @@ class HelperClient:
             {"pid": pid, "images_dir": images_dir, "leave_running": leave_running},
             on_progress,
         )
-        return DumpResult(r["image_bytes"], r["duration_s"], dict(r["phases"]))
+        return DumpResult(r["image_bytes"], r["duration_s"], dict(r["phases"]), r.get("gpu"))
 
     def restore(
         self,
@@ -126,7 +128,7 @@ class HelperClient:
         r = self.call(
             "restore", {"images_dir": images_dir, "replace_pid": replace_pid}, on_progress
         )
-        return RestoreResult(int(r["pid"]), r["duration_s"], dict(r["phases"]))
+        return RestoreResult(int(r["pid"]), r["duration_s"], dict(r["phases"]), r.get("gpu"))
 
     def kill(self, pid: int) -> None:
         """Kill the whole tree rooted at ``pid``; returns once it is gone."""

@@ -64,7 +64,7 @@ def serve(config: HelperConfig, ready: Ready) -> int:
     """Set everything up, report readiness, serve until SIGTERM/SIGINT."""
     # Imported here so `--help` and the non-root refusal work without pycriu or protobuf.
     from .criu import Criu, CriuSettings
-    from .ops import Operations
+    from .ops import Features, Operations
     from .paths import WorkDirs
     from .reaper import Reaper, become_subreaper
     from .seal import Sealer
@@ -81,7 +81,8 @@ def serve(config: HelperConfig, ready: Ready) -> int:
         work.prepare()
         criu = Criu(CriuSettings(config.criu_binary, config.pycriu_path))
         reaper = Reaper()
-        ops = Operations(work, criu, reaper, Sealer(os.path.join(work.root, ".seal-key")))
+        ops = Operations(work, criu, reaper, Sealer(os.path.join(work.root, ".seal-key")),
+                         features=Features.detect())
         server = HelperServer(config.socket_path, ops)
         server.bind()
     except Exception as exc:  # noqa: BLE001 - say why we could not start, then exit

@@ -149,7 +149,10 @@ class Criu:
         """Restore a tree as a child of the helper; return the root's host pid."""
 
         def configure(opts: Any) -> None:
-            opts.tcp_established = True
+            # Connections of snapshot time have no live peer any more (and restoring them
+            # established would clash with the live 4-tuples of a branch restored beside it):
+            # they come back closed, and the clients reconnect to the restored listeners.
+            opts.tcp_close = True
             opts.rst_sibling = True
             opts.file_locks = True
 

@@ -76,18 +76,19 @@ class CudaSuspend(StageBase):
 
     name = "cuda_checkpoint"
 
-    def __init__(self, root_pid: int) -> None:
-        self.root_pid = root_pid
+    def __init__(self, root_pid: int | None = None) -> None:
+        self.root_pid = root_pid  # None: the dump job's pid
         self.suspended: list[int] = []
         self.summary: dict[str, Any] | None = None
 
     def run(self, ctx: Any) -> None:
-        pids = cuda_pids(self.root_pid)
+        root = self.root_pid if self.root_pid is not None else ctx.pid
+        pids = cuda_pids(root)
         if not pids:
             return
         t0 = time.monotonic()
         report = read_nvml()
-        warnings = check(report, set(tree_pids(self.root_pid)))
+        warnings = check(report, set(tree_pids(root)))
         usage = report.usage_by_gpu(set(pids))
         try:
             for pid in pids:
@@ -128,6 +129,9 @@ class CudaResumeAfterDump(StageBase):
         self.suspend = suspend
 
     def run(self, ctx: Any) -> None:
+        if not getattr(ctx, "leave_running", True):
+            self.suspend.suspended = []  # CRIU ended the processes: nothing to resume
+            return
         t0 = time.monotonic()
         had = bool(self.suspend.suspended)
         self.suspend.resume_all()

@@ -44,6 +44,7 @@ from .protocol import RequestError
 from .reaper import Reaper
 from .seal import Sealer
 from .spawn import SpawnFailed, SpawnSpec, spawn_tree
+from .cuda_stage import CudaResumeAfterDump, CudaResumeRestored, CudaSuspend
 from .stages import Progress, Stage, run_stages
 
 Result = Mapping[str, Any]
@@ -89,6 +90,24 @@ def caller_groups(caller: Caller) -> tuple[int, ...]:
 class Features:
     cuda: bool = False
 
+    @classmethod
+    def detect(cls) -> Features:
+        """CUDA stages only where the driver's checkpoint API is usable."""
+        try:
+            from infinijup.gpu import driver
+
+            return cls(cuda=driver.available())
+        except Exception:
+            return cls(cuda=False)
+
+
+def _gpu_summary(stages: list[Stage]) -> dict[str, Any] | None:
+    for stage in stages:
+        summary = getattr(stage, "summary", None)
+        if summary:
+            return summary
+    return None
+
 
 class Operations:
     """The helper's ops, bound to its work dirs, CRIU, reaper and seal key."""
@@ -128,18 +147,26 @@ class Operations:
     # --- pipelines (the hook for GPU stages) ---------------------------------------------------
 
     def dump_stages(self) -> list[Stage]:
-        return [
+        stages: list[Stage] = [
             CriuDump(self.criu),
             VerifyDumpedCreds(self.criu),
             PublishImages(self.criu, self.sealer, self.work),
         ]
+        if self.features.cuda:
+            # VRAM to host memory before CRIU, back after: CRIU sees plain memory.
+            suspend = CudaSuspend()
+            stages = [suspend, stages[0], CudaResumeAfterDump(suspend), *stages[1:]]
+        return stages
 
     def restore_stages(self) -> list[Stage]:
-        return [
+        stages: list[Stage] = [
             StageImages(self.criu, self.sealer),
             KillReplaced(self.reaper),
             CriuRestore(self.criu, self.reaper),
         ]
+        if self.features.cuda:
+            stages.append(CudaResumeRestored())
+        return stages
 
     # --- ops ----------------------------------------------------------------------------------
 
@@ -199,13 +226,15 @@ class Operations:
                         parent_fd=parent_fd,
                         name=name,
                     )
-                    phases = run_stages(self.dump_stages(), job, progress)
+                    stages = self.dump_stages()
+                    phases = run_stages(stages, job, progress)
             finally:
                 os.close(parent_fd)
         return {
             "image_bytes": job.image_bytes,
             "duration_s": round(time.monotonic() - start, 6),
             "phases": phases,
+            "gpu": _gpu_summary(stages),
         }
 
     def restore(self, caller: Caller, args: p.RestoreArgs, progress: Progress) -> Result:
@@ -227,8 +256,10 @@ class Operations:
                 replace_pid=args.replace_pid,
                 replace_pidfd=pidfd,
             )
-            phases = run_stages(self.restore_stages(), job, progress)
-        return {"pid": job.pid, "duration_s": round(time.monotonic() - start, 6), "phases": phases}
+            stages = self.restore_stages()
+            phases = run_stages(stages, job, progress)
+        return {"pid": job.pid, "duration_s": round(time.monotonic() - start, 6), "phases": phases,
+                "gpu": _gpu_summary(stages)}
 
     def kill(self, caller: Caller, args: p.KillArgs, progress: Progress) -> Result:
         with self.locks.hold(args.pid):

@@ -89,6 +89,8 @@ class SnapshotEngine:
             t_dump = time.perf_counter()
             on_progress("store", {"percent": 60, "bytes": dump.image_bytes})
             meta = dict(metadata)
+            if dump.gpu:
+                meta["gpu"] = dict(dump.gpu)
             meta["timings"] = {**meta.get("timings", {}), "dump_s": pause_s,
                                **{f"helper_{k}_s": v for k, v in dump.phases.items()}}
             commit = self.repo.commit_dir(

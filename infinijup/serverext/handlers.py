@@ -101,7 +101,8 @@ class RestoreHandler(InfinijupHandler):
             return await self.call(_raise(exc))
         if body.get("from_kernel"):
             return await self.call(self.manager.restore_for_kernel(kernel_id, ref, branch), status=202)
-        await self.call(self.manager.restore(kernel_id, ref, branch=branch))
+        force = bool(body.get("force", False))
+        await self.call(self.manager.restore(kernel_id, ref, branch=branch, force=force))
 
 
 class BranchHandler(InfinijupHandler):

@@ -37,6 +37,7 @@ from ..errors import (
     PreflightRefused,
     RestoreFailed,
 )
+from ..gpu.restore_rules import check_gpu_fingerprint
 from ..helper_client import HelperClient
 from ..kernel_magics import agent
 from ..provisioner import InfinijupProvisioner
@@ -68,6 +69,7 @@ class SnapshotManager(LoggingConfigurable):
         self._repo: Repository | None = None
         self._heads: dict[str, Head] = {}
         self._ops: dict[str, dict] = {}
+        self._last: dict[str, dict] = {}  # kernel id -> the last finished operation
         self._tasks: set[asyncio.Task] = set()
 
     # --- plumbing ------------------------------------------------------------------------
@@ -120,9 +122,14 @@ class SnapshotManager(LoggingConfigurable):
 
     def _end(self, state: dict) -> None:
         self._ops.pop(state["kernel_id"], None)
+        self._last[state["kernel_id"]] = {k: state.get(k) for k in
+                                          ("op", "op_id", "phase", "commit", "reason")}
 
     def _emit(self, state: dict, phase: str, percent: float, **extra) -> None:
         state["phase"], state["percent"] = phase, percent
+        for key in ("commit", "reason"):
+            if extra.get(key):
+                state[key] = extra[key]
         data = {k: state[k] for k in ("op", "op_id", "kernel_id", "path")}
         data.update(phase=phase, percent=float(percent))
         data.update({k: str(v) for k, v in extra.items() if v is not None})
@@ -261,7 +268,7 @@ class SnapshotManager(LoggingConfigurable):
         return repo.resolve(ref)
 
     async def restore(self, kernel_id: str, ref: str, *, branch: str | None = None,
-                      wait_idle: bool = False) -> dict:
+                      wait_idle: bool = False, force: bool = False) -> dict:
         km = self._kernel(kernel_id)
         prov = self._provisioner(km)
         path = await self._path(kernel_id)
@@ -275,6 +282,8 @@ class SnapshotManager(LoggingConfigurable):
         if branch is not None and branch in threads:
             raise Conflict(f"thread '{branch}' already exists", reason="thread_exists")
         self._check_connection(km, commit)
+        if not force:
+            await asyncio.to_thread(check_gpu_fingerprint, commit.metadata or {})
         state = self._begin(kernel_id, "restore", path)
         t0 = time.perf_counter()
         try:
@@ -432,5 +441,6 @@ class SnapshotManager(LoggingConfigurable):
         op = self._ops.get(kernel_id)
         return {"kernel_id": kernel_id, "managed": managed,
                 "operation": {k: op[k] for k in ("op", "phase", "percent")} if op else None,
+                "last_operation": self._last.get(kernel_id),
                 "head": {"thread": self._head(kernel_id).thread,
                          "commit": self._head(kernel_id).commit}}

@@ -140,9 +140,12 @@ async def test_magics(notebook):
     out = await nb.execute(f"%restore {first[:12]}")
     assert "Restoring" in out["stdout"]
     for _ in range(100):  # the restore starts once the %restore cell is done
-        await asyncio.sleep(0.2)
-        if (await nb.history())["head"]["commit"] == first:
+        await asyncio.sleep(0.1)
+        r = await nb.fetch("infinijup", "status", params={"kernel_id": nb.kernel_id})
+        last = json.loads(r.body)["last_operation"] or {}
+        if last.get("op") == "restore":
             break
+    assert last == {**last, "phase": "done", "commit": first}, last
     assert await nb.value("z") == "first"
     out = await nb.execute("%history")
     assert first[:12] in out["stdout"] and "HEAD" in out["stdout"]
