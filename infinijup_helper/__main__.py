@@ -41,6 +41,8 @@ def parse_args(argv: list[str] | None) -> HelperConfig:
     parser.add_argument("--work", default=default_work(), help="root of the callers' work dirs")
     parser.add_argument("--criu", default=default_criu(), help="CRIU binary (4.2 or newer)")
     parser.add_argument("--pycriu", default=default_pycriu(), help="directory holding pycriu")
+    parser.add_argument("--pid-namespace", choices=("auto", "always", "never"), default="auto",
+                        help="kernels in their own PID namespace (auto: unless CUDA is usable)")
     parser.add_argument("--daemon", action="store_true", help="detach; return once serving")
     parser.add_argument("--pidfile", help="write the helper's pid here")
     parser.add_argument("--log", help="log file (with --daemon; default: discard)")
@@ -57,6 +59,7 @@ def parse_args(argv: list[str] | None) -> HelperConfig:
         daemon=ns.daemon,
         pidfile=os.path.abspath(ns.pidfile) if ns.pidfile else None,
         log_path=os.path.abspath(ns.log) if ns.log else None,
+        pid_namespace={"auto": None, "always": True, "never": False}[ns.pid_namespace],
     )
 
 
@@ -82,7 +85,8 @@ def serve(config: HelperConfig, ready: Ready) -> int:
         criu = Criu(CriuSettings(config.criu_binary, config.pycriu_path))
         reaper = Reaper()
         ops = Operations(work, criu, reaper, Sealer(os.path.join(work.root, ".seal-key")),
-                         features=Features.detect())
+                         features=Features.detect(),
+                         pid_namespace=config.pid_namespace)
         server = HelperServer(config.socket_path, ops)
         server.bind()
     except Exception as exc:  # noqa: BLE001 - say why we could not start, then exit

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from .criu import Criu, check_creds, image_names, private_page_files
 from .paths import Staging, WorkDirs
-from .proc import Caller, read_proc
+from .proc import Caller, read_proc, tree_members
 from .protocol import RequestError
 from .reaper import Reaper
 from .seal import FileSeal, Sealer, is_sealed_name, untrusted
@@ -42,6 +42,48 @@ def terminate_tree(pidfd: int, pid: int, reaper: Reaper, timeout: float = KILL_T
     Killing a PID namespace's init makes the kernel kill every other process in it, and the
     init only becomes reapable once they are all gone, so this waits for the whole tree.
     """
+    info = read_proc(pid)
+    members: dict[int, int] = {}
+    if info is not None and not info.is_namespace_init:
+        # No PID namespace to take the tree down with its init: end every member too.
+        for member in tree_members(pid)[1:]:
+            try:
+                members[member] = os.pidfd_open(member)
+                os.kill(member, signal.SIGKILL)
+            except (ProcessLookupError, OSError):
+                pass
+    try:
+        _kill_root(pidfd, pid, reaper, timeout)
+    finally:
+        _reap_members(members, timeout)
+
+
+def _reap_members(members: dict[int, int], timeout: float) -> None:
+    """Wait until each member has exited and been reaped: its pid must be free for a restore.
+
+    Orphaned by the init's death, members are reparented to the helper (a subreaper), whose
+    reaper only waits for tree roots: reap them here.
+    """
+    deadline = time.monotonic() + timeout
+    for member, fd in members.items():
+        try:
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            poller.poll(int(max(0.0, deadline - time.monotonic()) * 1000))
+            while time.monotonic() < deadline:
+                try:
+                    if os.waitpid(member, os.WNOHANG)[0] == member:
+                        break
+                except ChildProcessError:
+                    info = read_proc(member)
+                    if info is None:
+                        break  # reaped by its own parent
+                time.sleep(0.005)
+        finally:
+            os.close(fd)
+
+
+def _kill_root(pidfd: int, pid: int, reaper: Reaper, timeout: float) -> None:
     try:
         signal.pidfd_send_signal(pidfd, signal.SIGKILL)
     except ProcessLookupError:

@@ -43,6 +43,7 @@ class HelperConfig:
     daemon: bool = False
     pidfile: str | None = None
     log_path: str | None = None
+    pid_namespace: bool | None = None  # None: decided by whether CUDA is usable
 
     @property
     def lock_path(self) -> str:

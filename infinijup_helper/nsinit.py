@@ -95,6 +95,13 @@ def main(argv: list[str]) -> int:
         os.setsid()
     except PermissionError:
         pass  # already a session leader
+    if os.getpid() != 1:
+        # No PID namespace (see spawn.py): orphans of the kernel's subprocesses come to us
+        # rather than leaving the tree, so CRIU still dumps them with it.
+        import ctypes
+
+        PR_SET_CHILD_SUBREAPER = 36
+        ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     child = 0
 
     def forward(signum: int, _frame: object) -> None:

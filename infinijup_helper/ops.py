@@ -120,6 +120,7 @@ class Operations:
         sealer: Sealer,
         python: str = sys.executable,
         features: Features = Features(),
+        pid_namespace: bool | None = None,
     ) -> None:
         self.work = work
         self.criu = criu
@@ -127,6 +128,11 @@ class Operations:
         self.sealer = sealer
         self.python = python
         self.features = features
+        # Kernels get their own PID namespace, except where CUDA is usable: the CUDA driver
+        # fails to initialize (error 304) in a PID namespace without its own /proc, and CRIU
+        # cannot dump the mount namespace such a /proc needs. Restores then need the original
+        # pids free, which they are when a kernel is restored in place.
+        self.pid_namespace = (not features.cuda) if pid_namespace is None else pid_namespace
         self.locks = PidLocks()
         self.can_dump_other_users = has_capability(CAP_SYS_RESOURCE)
         self._handlers: dict[str, Callable[[Caller, Any, Progress], Result]] = {
@@ -176,7 +182,7 @@ class Operations:
             "criu_version": self.criu.version,
             "uid": caller.uid,
             "work_dir": self.work.user_dir(caller),
-            "features": {"cuda": self.features.cuda},
+            "features": {"cuda": self.features.cuda, "pid_namespace": self.pid_namespace},
         }
 
     def spawn(self, caller: Caller, args: p.SpawnArgs, progress: Progress) -> Result:
@@ -193,6 +199,7 @@ class Operations:
             groups=list(caller_groups(caller)),
             python=self.python,
             nsinit_cwd=self.work.nsinit_cwd,
+            pid_namespace=self.pid_namespace,
         )
         try:
             pid = spawn_tree(spec)

@@ -91,11 +91,18 @@ def nsinit_owner(info: ProcInfo) -> int | None:
     return int(args[4])
 
 
+def is_tree_root(info: ProcInfo) -> bool:
+    """A tree the helper launched or restored: the init of its own PID namespace, or (where
+    kernels run without one, see spawn.py) a root-owned nsinit carrying its ``--owner`` mark,
+    which only root can have started."""
+    return info.is_namespace_init or nsinit_owner(info) is not None
+
+
 def owner_of(info: ProcInfo) -> int | None:
     """Whose process this is, by the rules above; None when its uids are mixed."""
     if len(set(info.uids)) == 1 and info.uids[0] != 0:
         return info.uids[0]
-    marked = nsinit_owner(info) if info.is_namespace_init else None
+    marked = nsinit_owner(info)
     if marked is not None:
         return marked
     return 0 if set(info.uids) == {0} else None
@@ -127,10 +134,10 @@ def authorize_pid(caller: Caller, pid: int, *, tree_root: bool) -> ProcInfo:
         raise RequestError(
             "permission_denied", f"process {pid} does not belong to uid {caller.uid}"
         )
-    if tree_root and not info.is_namespace_init:
+    if tree_root and not is_tree_root(info):
         raise RequestError(
             "bad_request",
-            f"process {pid} is not the init of its own PID namespace (not a tree the helper "
+            f"process {pid} is not the root of a kernel tree (not a tree the helper "
             "spawned or restored)",
         )
     return info

@@ -45,6 +45,7 @@ class SpawnSpec:
     groups: Sequence[int]
     python: str
     nsinit_cwd: str
+    pid_namespace: bool = True
 
 
 class SpawnFailed(Exception):
@@ -107,7 +108,7 @@ def _exec_nsinit(spec: dict, spec_r: int, error_w: int) -> None:
 def launcher_main() -> int:
     spec = json.load(sys.stdin)
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(CLONE_NEWPID) != 0:
+    if spec.get("pid_namespace", True) and libc.unshare(CLONE_NEWPID) != 0:
         err = ctypes.get_errno()
         print(json.dumps({"error": f"unshare(CLONE_NEWPID): {os.strerror(err)}"}))
         return 1

@@ -81,7 +81,8 @@ class HelperDaemon:
     def argv(self, *extra: str) -> list[str]:
         return [
             PYTHON, "-m", "infinijup_helper",
-            "--socket", self.socket_path, "--work", self.work_dir, "--criu", CRIU, *extra,
+            "--socket", self.socket_path, "--work", self.work_dir, "--criu", CRIU,
+            *os.environ.get("INFINIJUP_TEST_HELPER_ARGS", "").split(), *extra,
         ]  # fmt: skip
 
     def start(self, timeout: float = 20.0) -> None:

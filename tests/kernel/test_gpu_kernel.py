@@ -1,0 +1,137 @@
+"""GPU state through the real Jupyter server path: CUDA tensors, RNG, a transformer's greedy
+decoding, a CUDA graph and a Triton kernel survive snapshot and restore; two GPU branches from one
+snapshot. Runs on an NVIDIA GPU machine (H100/H200); skipped with the reason elsewhere."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+from conftest import needs_helper
+
+HAS_GPU = os.path.exists("/dev/nvidiactl") and shutil.which("nvidia-smi") is not None
+
+pytestmark = [
+    needs_helper,
+    pytest.mark.skipif(not HAS_GPU, reason="no NVIDIA GPU on this machine (runs on the GPU machine)"),
+    pytest.mark.timeout(600),
+]
+
+TENSORS = """
+import hashlib, torch
+torch.manual_seed(0)
+g = torch.Generator(device="cuda").manual_seed(1234)
+t = torch.randn(4096, 4096, device="cuda", generator=g)
+ballast = torch.randn(256 * 2**20, device="cuda")  # 1 GiB of VRAM
+def digest(x):
+    return hashlib.sha256(x.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+"""
+
+TRANSFORMER = """
+import torch, torch.nn as nn
+torch.manual_seed(7)
+class TinyLM(nn.Module):
+    def __init__(self, vocab=1000, d=256, layers=4, heads=8):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(512, d)
+        layer = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True)
+        self.body = nn.TransformerEncoder(layer, layers)
+        self.head = nn.Linear(d, vocab)
+    def forward(self, ids):
+        n = ids.shape[1]
+        mask = nn.Transformer.generate_square_subsequent_mask(n, device=ids.device)
+        x = self.emb(ids) + self.pos(torch.arange(n, device=ids.device))
+        return self.head(self.body(x, mask=mask, is_causal=True))
+model = TinyLM().cuda().eval()
+prompt = torch.randint(0, 1000, (1, 16), device="cuda")
+@torch.no_grad()
+def greedy(ids, steps=32):
+    for _ in range(steps):
+        nxt = model(ids)[:, -1].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, nxt], 1)
+    return ids[0].tolist()
+"""
+
+GRAPH_AND_TRITON = """
+import torch, triton, triton.language as tl
+@triton.jit
+def axpy(x_ptr, y_ptr, out_ptr, a, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    tl.store(out_ptr + i, a * tl.load(x_ptr + i, mask=m) + tl.load(y_ptr + i, mask=m), mask=m)
+def run_axpy(a, x, y):
+    out = torch.empty_like(x)
+    axpy[(triton.cdiv(x.numel(), 1024),)](x, y, out, a, x.numel(), BLOCK=1024)
+    return out
+xs = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+ys = torch.ones_like(xs)
+triton_before = run_axpy(3.0, xs, ys).sum().item()
+static_in = torch.zeros(1 << 20, device="cuda")
+static_out = torch.zeros_like(static_in)
+s = torch.cuda.Stream()
+s.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(s):
+    static_out.copy_(static_in * 2 + 1)
+torch.cuda.current_stream().wait_stream(s)
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):
+    static_out.copy_(static_in * 2 + 1)
+"""
+
+
+async def test_tensors_and_cuda_rng_survive(notebook):
+    nb = notebook
+    await nb.execute(TENSORS, timeout=120)
+    d_t = await nb.value("digest(t)")
+    snap = await nb.snapshot(message="gpu tensors")
+    assert snap["stats"]["image_bytes"] > 2**30, snap["stats"]  # the VRAM is in the image
+    hist = await nb.history()
+    gpu = hist["commits"][0]["metadata"]["gpu"]
+    assert sum(gpu["vram_bytes"].values()) > 2**30, gpu
+    assert gpu["fingerprint"]["gpus"][0]["name"].startswith("NVIDIA")
+    # The draws right after the snapshot, in the original run.
+    draws = await nb.value("(torch.randn(8, device='cuda', generator=g).tolist(), torch.rand(4, device='cuda').tolist())")
+    await nb.execute("t.mul_(0); ballast.zero_()")
+    await nb.restore(snap["commit"])
+    assert await nb.value("digest(t)") == d_t
+    assert await nb.value("(torch.randn(8, device='cuda', generator=g).tolist(), torch.rand(4, device='cuda').tolist())") == draws
+    assert await nb.value("float(ballast.abs().sum()) > 0")
+
+
+async def test_transformer_greedy_decoding_continues_identically(notebook):
+    nb = notebook
+    await nb.execute(TRANSFORMER, timeout=120)
+    await nb.execute("first = greedy(prompt, 8)")
+    snap = await nb.snapshot(message="mid-generation")
+    reference = await nb.value("greedy(torch.tensor([first], device='cuda'))")
+    await nb.execute("model.head.weight.data.normal_()")  # wreck the model
+    await nb.restore(snap["commit"])
+    assert await nb.value("greedy(torch.tensor([first], device='cuda'))") == reference
+
+
+async def test_cuda_graph_and_triton_kernel_run_after_restore(notebook):
+    nb = notebook
+    await nb.execute(GRAPH_AND_TRITON, timeout=180)
+    snap = await nb.snapshot(message="graph + triton")
+    await nb.restore(snap["commit"])
+    assert await nb.value("run_axpy(3.0, xs, ys).sum().item() == triton_before")
+    await nb.execute("static_in.fill_(5.0); graph.replay(); torch.cuda.synchronize()")
+    assert await nb.value("bool((static_out == 11.0).all())")
+
+
+async def test_two_gpu_branches_from_one_snapshot(notebook):
+    nb = notebook
+    await nb.execute("import torch; base = torch.arange(1 << 24, device='cuda', dtype=torch.float64)")
+    a = (await nb.snapshot(message="A"))["commit"]
+    await nb.execute("base += 1")
+    b = await nb.snapshot(message="B: +1")
+    await nb.restore(a)
+    await nb.execute("base *= 3")
+    c = await nb.snapshot(message="C: *3")
+    assert c["thread"] != b["thread"]
+    await nb.restore(b["commit"])
+    assert await nb.value("float(base[10])") == 11.0
+    await nb.restore(c["commit"])
+    assert await nb.value("float(base[10])") == 30.0
