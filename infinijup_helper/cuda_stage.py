@@ -144,20 +144,24 @@ class CudaResumeRestored(StageBase):
 
     name = "cuda_restore"
 
-    def __init__(self, root_pid_of) -> None:
-        self.root_pid_of = root_pid_of  # ctx -> host pid of the restored root
+    def __init__(self) -> None:
         self.summary: dict[str, Any] | None = None
 
     def run(self, ctx: Any) -> None:
-        root = self.root_pid_of(ctx)
         pids = [
             p
-            for p in tree_pids(root)
+            for p in tree_pids(ctx.pid)
             if _uses_nvidia(p) and driver.state(p) is driver.CudaState.CHECKPOINTED
         ]
         if not pids:
             return
         t0 = time.monotonic()
-        for pid in pids:
-            driver.resume(pid)
+        try:
+            for pid in pids:
+                driver.resume(pid)
+        except BaseException:
+            # A restored tree whose GPU state cannot come back is of no use: end it, so the
+            # caller sees a clean failure rather than a kernel stuck CHECKPOINTED.
+            os.kill(ctx.pid, 9)
+            raise
         self.summary = {"pids": len(pids), "phases": {"restore_s": time.monotonic() - t0}}
