@@ -14,60 +14,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "helper"))
+from benchkit import (
+    CRIU,
+    GB,
+    execute,
+    first_answer,
+    markdown_table,
+    start_helper,
+    use_infinijup_kernelspec,
+)
+from jupyter_client import KernelManager
 
-from helperkit import CRIU, HelperDaemon, make_base  # noqa: E402
-from jupyter_client import KernelManager  # noqa: E402
-
-from infinijup.engine import SnapshotEngine  # noqa: E402
-from infinijup.gpu import driver  # noqa: E402
-from infinijup.helper_client import HelperClient  # noqa: E402
-from infinijup.store import Repository  # noqa: E402
-from infinijup_helper.cuda_stage import cuda_pids  # noqa: E402
-
-GB = 10**9
-
-
-def kernelspec_dir() -> str:
-    d = tempfile.mkdtemp(prefix="ijbench-spec-")
-    spec = Path(d) / "kernels" / "infinijup"
-    spec.mkdir(parents=True)
-    (spec / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "infinijup.kernel_magics.launch", "-f", "{connection_file}"],
-        "display_name": "bench", "language": "python",
-        "metadata": {"kernel_provisioner": {"provisioner_name": "infinijup-provisioner"}}}))
-    return d
-
-
-def execute(kc, code: str, timeout: float = 600) -> float:
-    t0 = time.perf_counter()
-    reply = kc.execute_interactive(code, timeout=timeout, output_hook=lambda m: None)
-    assert reply["content"]["status"] == "ok", reply["content"]
-    return time.perf_counter() - t0
-
-
-def first_answer(kc, timeout: float = 120) -> float:
-    """Seconds until an execute request is answered (reply on shell)."""
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < timeout:
-        msg_id = kc.execute("1", silent=True, store_history=False)
-        try:
-            while True:
-                reply = kc.get_shell_msg(timeout=1)
-                if reply["parent_header"].get("msg_id") == msg_id:
-                    return time.perf_counter() - t0
-        except Exception:
-            continue
-    raise TimeoutError("no answer")
+from infinijup.engine import SnapshotEngine
+from infinijup.gpu import driver
+from infinijup.helper_client import HelperClient
+from infinijup.store import Repository
+from infinijup_helper.cuda_stage import cuda_pids
 
 
 def one_size(size_gb: float, store_dir: Path, shm: Path) -> dict:
@@ -162,10 +130,8 @@ def main() -> None:
     ap.add_argument("--sizes", type=float, nargs="+", default=[1, 4, 16])
     ap.add_argument("--store", default=None)
     args = ap.parse_args()
-    os.environ["JUPYTER_PATH"] = kernelspec_dir()
-    daemon = HelperDaemon(make_base())
-    daemon.start()
-    os.environ["INFINIJUP_HELPER_SOCKET"] = daemon.socket_path
+    use_infinijup_kernelspec()
+    daemon = start_helper()
     rows = []
     try:
         for size in args.sizes:
@@ -185,10 +151,7 @@ def main() -> None:
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip()
     print(f"\nGPU: {gpu}; {time.strftime('%Y-%m-%d')}; one run per size\n")
-    print("| " + " | ".join(h for _, h in COLUMNS) + " |")
-    print("|" + "---|" * len(COLUMNS))
-    for r in rows:
-        print("| " + " | ".join(f"{r.get(k, 0):.2f}" for k, _ in COLUMNS) + " |")
+    print(markdown_table(rows, COLUMNS))
 
 
 if __name__ == "__main__":

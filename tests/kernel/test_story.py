@@ -171,3 +171,42 @@ async def test_errors(notebook, jp_fetch):
     # The kernel is untouched by all of that.
     await nb.execute("w = 5")
     assert await nb.value("w") == 5
+
+
+async def test_progress_events_are_published(notebook, jp_serverapp):
+    nb = notebook
+    seen: list[dict] = []
+
+    async def listener(logger, schema_id, data):
+        seen.append(dict(data))
+
+    schema = "https://events.infinijup.dev/operation"
+    jp_serverapp.event_logger.add_listener(schema_id=schema, listener=listener)
+    snap = await nb.snapshot(message="with events")
+    await nb.restore(snap["commit"])
+    for _ in range(50):  # listeners run as tasks: let them drain
+        if any(e["op"] == "restore" and e["phase"] == "done" for e in seen):
+            break
+        await asyncio.sleep(0.05)
+    snap_phases = [e["phase"] for e in seen if e["op"] == "snapshot"]
+    assert snap_phases[0] == "queued" and snap_phases[-1] == "done", snap_phases
+    assert {"quiesce", "dump", "store"} <= set(snap_phases), snap_phases
+    restore_phases = [e["phase"] for e in seen if e["op"] == "restore"]
+    assert {"kill", "restore", "reconnect", "done"} <= set(restore_phases), restore_phases
+    done = [e for e in seen if e["phase"] == "done"]
+    assert done[0]["commit"] == snap["commit"] and done[0]["kernel_id"] == nb.kernel_id
+    assert all(e["path"] == "story.ipynb" for e in seen)
+
+
+async def test_plain_kernels_are_refused_with_422(jp_fetch, jp_serverapp):
+    r = await jp_fetch("api", "kernels", method="POST", body=json.dumps({"name": "python3"}))
+    kernel_id = json.loads(r.body)["id"]
+    try:
+        r = await jp_fetch("infinijup", "snapshot", method="POST",
+                           body=json.dumps({"kernel_id": kernel_id}), raise_error=False)
+        assert r.code == 422, r.body
+        assert json.loads(r.body)["reason"] == "kernel_not_managed"
+        r = await jp_fetch("infinijup", "status", params={"kernel_id": kernel_id})
+        assert json.loads(r.body)["managed"] is False
+    finally:
+        await jp_fetch("api", "kernels", kernel_id, method="DELETE", raise_error=False)
