@@ -130,6 +130,11 @@ class HelperClient:
         )
         return RestoreResult(int(r["pid"]), r["duration_s"], dict(r["phases"]), r.get("gpu"))
 
+    def gpu(self, pid: int, action: str) -> dict[str, Any]:
+        """``action`` "release": move the tree's VRAM to host memory and free the GPU, the
+        processes stay alive (CUDA calls block until "reacquire" brings it back)."""
+        return self.call("gpu", {"pid": pid, "action": action})
+
     def kill(self, pid: int) -> None:
         """Kill the whole tree rooted at ``pid``; returns once it is gone."""
         self.call("kill", {"pid": pid})

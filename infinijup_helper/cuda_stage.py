@@ -165,3 +165,13 @@ class CudaResumeRestored(StageBase):
             os.kill(ctx.pid, 9)
             raise
         self.summary = {"pids": len(pids), "phases": {"restore_s": time.monotonic() - t0}}
+
+
+def resume_tree(root: int) -> dict[str, Any]:
+    """Bring back onto the GPU every process of the tree that is locked or checkpointed."""
+    t0 = time.monotonic()
+    pids = [p for p in tree_pids(root) if _uses_nvidia(p)
+            and driver.state(p) in (driver.CudaState.CHECKPOINTED, driver.CudaState.LOCKED)]
+    for pid in pids:
+        driver.resume(pid)
+    return {"pids": len(pids), "phases": {"restore_s": time.monotonic() - t0}}

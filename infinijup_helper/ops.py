@@ -44,7 +44,7 @@ from .protocol import RequestError
 from .reaper import Reaper
 from .seal import Sealer
 from .spawn import SpawnFailed, SpawnSpec, spawn_tree
-from .cuda_stage import CudaResumeAfterDump, CudaResumeRestored, CudaSuspend
+from .cuda_stage import CudaResumeAfterDump, CudaResumeRestored, CudaSuspend, resume_tree
 from .stages import Progress, Stage, run_stages
 
 Result = Mapping[str, Any]
@@ -144,6 +144,7 @@ class Operations:
             "release": self.release,
             "status": self.status,
             "signal": self.signal,
+            "gpu": self.gpu,
         }
         assert set(self._handlers) == p.OPS
 
@@ -277,6 +278,22 @@ class Operations:
             finally:
                 os.close(pidfd)
         return {}
+
+    def gpu(self, caller: Caller, args: p.GpuArgs, progress: Progress) -> Result:
+        """Release a live kernel's GPUs (VRAM to host memory) or take them back, without CRIU:
+        the building block for idle kernels that give their GPU back."""
+        if not self.features.cuda:
+            raise RequestError("unsupported", "no usable CUDA driver on this machine")
+        with self.locks.hold(args.pid):
+            authorize_pid(caller, args.pid, tree_root=True)
+            start = time.monotonic()
+            if args.action == "release":
+                stage = CudaSuspend(args.pid)
+                stage.run(None)
+                summary = stage.summary or {"pids": 0}
+            else:
+                summary = resume_tree(args.pid)
+        return {"duration_s": round(time.monotonic() - start, 6), "gpu": summary}
 
     def signal(self, caller: Caller, args: p.SignalArgs, progress: Progress) -> Result:
         """Signal a tree's init, which forwards it to the kernel. Needed because the init runs

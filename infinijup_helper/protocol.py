@@ -94,6 +94,12 @@ class SignalArgs:
     signum: int
 
 
+@dataclass(frozen=True)
+class GpuArgs:
+    pid: int
+    action: str  # "release": VRAM to host memory, GPU freed; "reacquire": back onto the GPU
+
+
 OpArgs = (
     HelloArgs
     | SpawnArgs
@@ -103,6 +109,7 @@ OpArgs = (
     | ReleaseArgs
     | StatusArgs
     | SignalArgs
+    | GpuArgs
 )
 
 # What a tree's nsinit forwards to the kernel (SIGKILL is the `kill` op).
@@ -157,6 +164,15 @@ def _signum(name: str, value: Any) -> int:
     if type(value) is not int or value not in SIGNALS:
         allowed = ", ".join(f"{int(n)} ({v})" for n, v in sorted(SIGNALS.items()))
         raise _fail(name, f"one of {allowed}")
+    return value
+
+
+GPU_ACTIONS = ("release", "reacquire")
+
+
+def _gpu_action(name: str, value: Any) -> str:
+    if value not in GPU_ACTIONS:
+        raise _fail(name, " or ".join(repr(a) for a in GPU_ACTIONS))
     return value
 
 
@@ -227,6 +243,7 @@ ARG_SPECS: dict[str, tuple[type, dict[str, tuple[Validator, Any]]]] = {
     "release": (ReleaseArgs, {"path": (_path, _REQUIRED)}),
     "status": (StatusArgs, {"pid": (_pid, _REQUIRED)}),
     "signal": (SignalArgs, {"pid": (_pid, _REQUIRED), "signum": (_signum, _REQUIRED)}),
+    "gpu": (GpuArgs, {"pid": (_pid, _REQUIRED), "action": (_gpu_action, _REQUIRED)}),
 }
 
 OPS = frozenset(ARG_SPECS)

@@ -114,6 +114,14 @@ class SnapshotEngine:
             phases={"dump_s": t_dump - t0, "store_s": t1 - t_dump},
         )
 
+    def release_gpu(self, pid: int) -> dict:
+        """Move the live kernel's VRAM to host memory and free its GPUs (no CRIU, no store)."""
+        return self.helper.gpu(pid, "release")
+
+    def reacquire_gpu(self, pid: int) -> dict:
+        """Bring a released kernel's memory back onto its GPUs."""
+        return self.helper.gpu(pid, "reacquire")
+
     def materialize(self, commit_id: str) -> Path:
         """Check a commit's images out into a fresh directory of the helper's work area."""
         target = self._new_dir("restore")

@@ -135,3 +135,24 @@ async def test_two_gpu_branches_from_one_snapshot(notebook):
     assert await nb.value("float(base[10])") == 11.0
     await nb.restore(c["commit"])
     assert await nb.value("float(base[10])") == 30.0
+
+
+async def test_gpu_release_and_reacquire_in_place(notebook, jp_serverapp, helper_daemon):
+    from infinijup.gpu.preflight import read_nvml
+    from infinijup.helper_client import HelperClient
+
+    nb = notebook
+    await nb.execute("import torch, hashlib; v = torch.randn(64 * 2**20, device='cuda'); "
+                     "d = hashlib.sha256(v.cpu().numpy().tobytes()).hexdigest()")
+    root = jp_serverapp.kernel_manager.get_kernel(nb.kernel_id).provisioner.root_pid
+    helper = HelperClient(helper_daemon.socket_path)
+    from infinijup_helper.cuda_stage import tree_pids
+
+    pids = set(tree_pids(root))
+    before = sum(read_nvml().usage_by_gpu(pids).values())
+    released = helper.gpu(root, "release")
+    assert released["gpu"]["pids"] == 1
+    after = sum(read_nvml().usage_by_gpu(pids).values())
+    assert before > 256 * 2**20 and after == 0, (before, after)
+    helper.gpu(root, "reacquire")
+    assert await nb.value("hashlib.sha256(v.cpu().numpy().tobytes()).hexdigest() == d")
