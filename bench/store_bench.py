@@ -1,0 +1,304 @@
+"""Benchmark of the snapshot store; prints markdown tables.
+
+    sudo .venv/bin/python bench/store_bench.py [--size-mib 2048] [--runs 3] [--dir /var/tmp]
+
+Measures, side by side in one process (medians of --runs runs, interleaved):
+
+* ingest throughput of a synthetic page image and of a real CRIU image of a Python process
+  (needs root and CRIU; skipped otherwise), on 1 core (pinned) and on all cores, against
+  ``cat IMAGE > FILE && sync FILE`` on the same disk;
+* bytes a second snapshot adds after dirtying 1% of the pages (scattered, and in runs of
+  16 pages) and after inserting 1% new pages in the middle, as % of the image;
+* checkout throughput against ``cat`` reading and writing the same bytes;
+* for each chunker: pagecdc (the default), fastcdc and fixed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from infinijup.store import Repository  # noqa: E402
+from infinijup.store.chunking import (  # noqa: E402
+    ChunkerParams,
+    fastcdc_params,
+    fixed_params,
+)
+
+PAGE = 4096
+CRIU = os.environ.get("INFINIJUP_CRIU", "/opt/infinijup/criu/sbin/criu")
+CHUNKERS = {
+    "pagecdc 32K (default)": ChunkerParams(),
+    "fastcdc 32K": fastcdc_params(32 * 1024),
+    "fixed 32K": fixed_params(32 * 1024),
+}
+
+HOLDER = r"""
+import os, signal, sys, time
+import numpy as np
+mb, status = int(sys.argv[1]), sys.argv[2]
+PAGE = 4096
+rand = np.random.default_rng(1).random(int(mb * 0.45 * 2**20) // 8)
+ints = (np.arange(int(mb * 0.30 * 2**20) // 8, dtype=np.int64) * 7919) % 1000003
+objs = [{"id": i, "name": f"row-{i}", "vals": [i, i * 2.5, str(i)]}
+        for i in range(int(mb * 0.25 * 2**20) // 400)]
+extra, step = [], [0]
+def report(msg):
+    with open(status + ".tmp", "w") as f: f.write(msg)
+    os.replace(status + ".tmp", status)
+def dirty(*_):
+    mode = open(status + ".cmd").read().strip(); step[0] += 1
+    r = np.random.default_rng(100 + step[0])
+    for arr in (rand, ints):
+        v = arr.view(np.uint8); n = v.size // PAGE; k = max(1, n // 100)
+        if mode == "scattered":
+            idx = r.choice(n, k, replace=False)
+        else:
+            idx = (r.choice(n // 16, max(1, k // 16), replace=False)[:, None] * 16
+                   + np.arange(16)).ravel()
+        v[idx * PAGE + 8] ^= 0xFF
+    report(f"done {step[0]}")
+def insert(*_):
+    step[0] += 1
+    extra.append(np.random.default_rng(200 + step[0]).random(int(mb * 0.01 * 2**20) // 8))
+    report(f"done {step[0]}")
+signal.signal(signal.SIGUSR1, dirty)
+signal.signal(signal.SIGUSR2, insert)
+report("ready")
+while True:
+    time.sleep(1)
+"""
+
+
+def mb_s(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e6
+
+
+def dir_bytes(d: Path) -> int:
+    return sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
+
+
+# -- images ---------------------------------------------------------------------------------
+
+
+def synthetic_images(root: Path, size_mib: int, variants: bool = True,
+                     prefix: str = "syn") -> dict[str, Path]:
+    """A page image (half random pages, half compressible ones) and, if asked, variants."""
+    n_pages = size_mib * 256
+    rng = np.random.default_rng(7)
+    structured = (np.arange(PAGE, dtype=np.uint32) * 31 % 251).astype(np.uint8)
+    base = root / f"{prefix}-base"
+    base.mkdir()
+    with open(base / "pages-1.img", "wb") as f:
+        for start in range(0, n_pages, 8192):
+            n = min(8192, n_pages - start)
+            pages = rng.integers(0, 256, (n, PAGE), dtype=np.uint8)
+            pages[::2] = structured
+            pages[::2, :8] = rng.integers(0, 256, (len(pages[::2]), 8), dtype=np.uint8)
+            f.write(pages.tobytes())
+    (base / "pagemap-1.img").write_bytes(rng.integers(0, 256, 9000, dtype=np.uint8).tobytes())
+    out = {"base": base}
+    for variant in ("dirty-scattered", "dirty-runs", "insert") if variants else ():
+        d = root / f"{prefix}-{variant}"
+        d.mkdir()
+        shutil.copy(base / "pagemap-1.img", d)
+        data = np.fromfile(base / "pages-1.img", dtype=np.uint8).reshape(n_pages, PAGE)
+        k = n_pages // 100
+        if variant == "dirty-scattered":
+            data[rng.choice(n_pages, k, replace=False), 8] ^= 0xFF
+            data.tofile(d / "pages-1.img")
+        elif variant == "dirty-runs":
+            idx = (rng.choice(n_pages // 16, k // 16, replace=False)[:, None] * 16
+                   + np.arange(16)).ravel()
+            data[idx, 8] ^= 0xFF
+            data.tofile(d / "pages-1.img")
+        else:
+            with open(d / "pages-1.img", "wb") as f:
+                f.write(data[: n_pages // 2].tobytes())
+                f.write(rng.integers(0, 256, k * PAGE, dtype=np.uint8).tobytes())
+                f.write(data[n_pages // 2 :].tobytes())
+        out[variant] = d
+        del data
+    return out
+
+
+def criu_images(root: Path, size_mib: int, variants: bool = True,
+                prefix: str = "criu") -> dict[str, Path] | None:
+    """Dumps of a real Python process: base and, if asked, after dirtying 1% (2 ways) and
+    after inserting 1% new memory."""
+    if os.geteuid() != 0 or not os.access(CRIU, os.X_OK):
+        return None
+    status = root / f"{prefix}.status"
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, str(size_mib), str(status)],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         start_new_session=True)
+    out: dict[str, Path] = {}
+    try:
+        while not status.exists():
+            time.sleep(0.2)
+
+        def dump(name: str) -> None:
+            d = root / f"{prefix}-{name}"
+            d.mkdir()
+            subprocess.run([CRIU, "dump", "-t", str(p.pid), "-D", str(d), "--shell-job",
+                            "--leave-running", "-o", "dump.log"], check=True)
+            (d / "dump.log").unlink()
+            (d / "stats-dump").unlink(missing_ok=True)
+            out[name] = d
+
+        def signal_and_wait(sig: int, cmd: str) -> None:
+            before = status.read_text()
+            Path(f"{status}.cmd").write_text(cmd)
+            p.send_signal(sig)
+            while status.read_text() == before:
+                time.sleep(0.1)
+
+        dump("base")
+        if not variants:
+            return out
+        signal_and_wait(signal.SIGUSR1, "scattered")
+        dump("dirty-scattered")
+        signal_and_wait(signal.SIGUSR1, "runs")
+        dump("dirty-runs")
+        signal_and_wait(signal.SIGUSR2, "")
+        dump("insert")
+    finally:
+        p.kill()
+        p.wait()
+    return out
+
+
+# -- measurements ---------------------------------------------------------------------------
+
+
+def cat_write(src: Path, dst: Path) -> float:
+    t = time.perf_counter()
+    subprocess.run(f"cat {src}/* > {dst} && sync {dst}", shell=True, check=True)
+    dt = time.perf_counter() - t
+    dst.unlink()
+    return dt
+
+
+def cat_copy(src: Path, dst: Path) -> float:
+    t = time.perf_counter()
+    subprocess.run(f"cat {src}/* > {dst}", shell=True, check=True)
+    dt = time.perf_counter() - t
+    dst.unlink()
+    return dt
+
+
+def ingest(store: Path, params: ChunkerParams, image: Path, one_core: bool
+           ) -> tuple[float, Repository, str]:
+    repo = Repository.init(store, chunker=params)
+    all_cpus = os.sched_getaffinity(0)
+    if one_core:
+        os.sched_setaffinity(0, {min(all_cpus)})
+    try:
+        t = time.perf_counter()
+        c = repo.commit_dir(image, thread="bench", threads=1 if one_core else None)
+        dt = time.perf_counter() - t
+    finally:
+        os.sched_setaffinity(0, all_cpus)
+    return dt, repo, c.id
+
+
+def second_snapshots(store: Path, params: ChunkerParams, variants: dict[str, Path]
+                     ) -> dict[str, float]:
+    """Stored fraction of the first snapshot and of a second one after each change."""
+    repo = Repository.init(store, chunker=params)
+    first = repo.commit_dir(variants["base"], thread="base")
+    row = {"first": first.stats["stored_bytes"] / first.stats["image_bytes"]}
+    for v in ("dirty-scattered", "dirty-runs", "insert"):
+        s = repo.commit_dir(variants[v], thread=v, parents=[first.id]).stats
+        row[v] = s["stored_bytes"] / s["image_bytes"]
+    repo.close()
+    shutil.rmtree(store)
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size-mib", type=int, default=2048)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--dedup-mib", type=int, default=512,
+                    help="image size for the second-snapshot measurements")
+    ap.add_argument("--dir", default="/var/tmp", help="scratch directory (same disk as cat)")
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="store-bench-", dir=args.dir))
+    t0 = time.time()
+    try:
+        # images stay in the page cache, like a fresh dump: keep the set small (24 GiB RAM)
+        images = {"synthetic": synthetic_images(root, args.size_mib, variants=False)}
+        small = {"synthetic": synthetic_images(root, args.dedup_mib, prefix="dsyn")}
+        real = criu_images(root, args.size_mib, variants=False)
+        if real is not None:
+            images["CRIU python"] = real
+            small["CRIU python"] = criu_images(root, args.dedup_mib, prefix="dcriu") or {}
+        else:
+            print("(no root or CRIU: real CRIU image skipped)", file=sys.stderr)
+        ingest_t: dict[tuple[str, str, str], list[float]] = defaultdict(list)
+        cat_t: dict[str, list[float]] = defaultdict(list)
+        copy_t: dict[str, list[float]] = defaultdict(list)
+        checkout_t: dict[tuple[str, str], list[float]] = defaultdict(list)
+        dedup: dict[tuple[str, str], dict[str, float]] = {}
+        for run in range(args.runs):
+            for img, variants in images.items():
+                base = variants["base"]
+                cat_t[img].append(cat_write(base, root / "cat.out"))
+                copy_t[img].append(cat_copy(base, root / "cat.out"))
+                for cname, params in CHUNKERS.items():
+                    for cores in ("1 core", "all cores"):
+                        store = root / "store"
+                        dt, repo, cid = ingest(store, params, base, cores == "1 core")
+                        ingest_t[(img, cname, cores)].append(dt)
+                        if cores == "all cores":
+                            out = root / "checkout"
+                            t = time.perf_counter()
+                            repo.checkout_dir(cid, out)
+                            checkout_t[(img, cname)].append(time.perf_counter() - t)
+                            shutil.rmtree(out)
+                        repo.close()
+                        shutil.rmtree(store)
+                    if run == 0:
+                        dedup[(img, cname)] = second_snapshots(root / "dstore", params, small[img])
+        size = {img: dir_bytes(v["base"]) for img, v in images.items()}
+        med = statistics.median
+        print("Image sizes: " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in size.items())
+              + f"; {args.runs} runs, medians; {os.cpu_count()} cores.\n")
+        print("| image | chunker | cores | ingest MB/s | cat+sync MB/s | ratio to cat |")
+        print("|---|---|---|---:|---:|---:|")
+        for (img, cname, cores), ts in ingest_t.items():
+            r, c = mb_s(size[img], med(ts)), mb_s(size[img], med(cat_t[img]))
+            print(f"| {img} | {cname} | {cores} | {r:.0f} | {c:.0f} | {r / c:.2f} |")
+        print("\n| image | chunker | 1st snapshot stored | +1% pages dirtied (scattered) "
+              "| +1% dirtied (runs of 16 pages) | +1% pages inserted mid-image |")
+        print("|---|---|---:|---:|---:|---:|")
+        for (img, cname), row in dedup.items():
+            print(f"| {img} | {cname} | {row['first']:.1%} | {row['dirty-scattered']:.2%} | "
+                  f"{row['dirty-runs']:.2%} | {row['insert']:.2%} |")
+        print("\n| image | chunker | checkout MB/s | cat read+write MB/s | ratio to cat |")
+        print("|---|---|---:|---:|---:|")
+        for (img, cname), ts in checkout_t.items():
+            r, c = mb_s(size[img], med(ts)), mb_s(size[img], med(copy_t[img]))
+            print(f"| {img} | {cname} | {r:.0f} | {c:.0f} | {r / c:.2f} |")
+        print(f"\n(total benchmark time {time.time() - t0:.0f} s)")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

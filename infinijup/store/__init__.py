@@ -1,0 +1,36 @@
+"""Infinijup's content-addressed snapshot store.
+
+Kernel snapshots (CRIU image directories) are cut into content-defined chunks, deduplicated
+by BLAKE3 id, zstd-compressed where it pays and appended to pack files; trees and commits
+form a Merkle DAG; threads are named refs moved with compare-and-swap. See docs/store.md.
+
+Typical use::
+
+    repo = Repository.open_or_init(default_store_path())
+    c = repo.commit_dir(image_dir, thread="main", metadata={"notebook_path": "a.ipynb"})
+    repo.checkout_dir(c.id, restore_dir)
+"""
+
+from .check import CheckReport
+from .chunking import ChunkerParams
+from .gc import GcReport
+from .objects import Blob, Commit, File, Symlink, TreeEntry
+from .repository import UNSET, Repository, StoreConfig, default_store_path
+from .writer import Dir, Writer
+
+__all__ = [
+    "UNSET",
+    "Blob",
+    "CheckReport",
+    "ChunkerParams",
+    "Commit",
+    "Dir",
+    "File",
+    "GcReport",
+    "Repository",
+    "StoreConfig",
+    "Symlink",
+    "TreeEntry",
+    "Writer",
+    "default_store_path",
+]

@@ -1,0 +1,270 @@
+"""``check``: verify a store end to end, and ``rebuild_index``.
+
+check walks refs -> commits -> trees -> blobs -> chunks and compares the index with every
+pack header. With ``read_data`` it also reads every object of every pack and re-hashes it.
+Damage is reported as *problems* (``ok`` is False), each naming the object and the pack.
+Harmless leftovers of interrupted writes (unindexed packs, unreferenced commits, temp
+files) are *warnings*: ``gc`` removes them.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from . import layout
+from .errors import (
+    ChecksumMismatch,
+    CorruptObject,
+    CorruptPack,
+    IndexCorrupt,
+    ObjectMissing,
+    StoreError,
+)
+from .lock import FileLock
+from .objects import Commit, decode_commit, hash_bytes
+from .packs import PackEntry, decode_payload, read_pack_header
+
+if TYPE_CHECKING:
+    from .repository import Repository
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    """Result of ``Repository.check``."""
+
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    commits: int = 0
+    trees: int = 0
+    blobs: int = 0
+    chunks: int = 0
+    packs: int = 0
+    objects_read: int = 0
+
+    @property
+    def ok(self) -> bool:
+        """True when no problem was found (warnings do not count)."""
+        return not self.problems
+
+
+def read_packs(repo: Repository) -> tuple[dict[str, list[PackEntry]], list[str]]:
+    """Parse every pack header on disk: (name -> entries, problems)."""
+    packs: dict[str, list[PackEntry]] = {}
+    problems: list[str] = []
+    for name, path in layout.pack_files(repo).items():
+        try:
+            header, entries = read_pack_header(path)
+        except CorruptPack as exc:
+            problems.append(str(exc))
+            continue
+        if hash_bytes(header).hex() != name:
+            problems.append(f"pack {name}: name does not match its header")
+            continue
+        packs[name] = entries
+    return packs, problems
+
+
+def load_commit_file(commit_id: str, path: Path) -> Commit:
+    """Read and verify one commit file."""
+    body = path.read_bytes()
+    if hash_bytes(body).hex() != commit_id:
+        raise ChecksumMismatch(f"commit {commit_id}: checksum mismatch")
+    return decode_commit(commit_id, body)
+
+
+def check(repo: Repository, *, read_data: bool = False) -> CheckReport:
+    """Verify ``repo``; see the module docs."""
+    with FileLock(repo.lock_path, shared=True, timeout=repo.lock_timeout):
+        return _Checker(repo).run(read_data)
+
+
+class _Checker:
+    def __init__(self, repo: Repository) -> None:
+        self.repo = repo
+        self.problems: list[str] = []
+        self.warnings: list[str] = []
+        self.trees: set[str] = set()
+        self.blobs: set[str] = set()
+        self.chunks: set[bytes] = set()
+        self.objects_read = 0
+
+    def run(self, read_data: bool) -> CheckReport:
+        repo = self.repo
+        packs, pack_problems = read_packs(repo)
+        self.problems += pack_problems
+        try:
+            self._check_index(packs)
+        except IndexCorrupt as exc:
+            self.problems.append(str(exc))
+            return self._report(packs, 0)
+        commits = self._check_commits()
+        self._walk(commits)
+        if read_data:
+            self._read_data(packs)
+        for tmp in layout.tmp_files(repo):
+            self.warnings.append(f"leftover temp file tmp/{tmp.name} (gc removes it)")
+        return self._report(packs, len(commits))
+
+    def _report(self, packs: dict[str, list[PackEntry]], ncommits: int) -> CheckReport:
+        return CheckReport(self.problems, self.warnings, ncommits, len(self.trees),
+                           len(self.blobs), len(self.chunks), len(packs), self.objects_read)
+
+    def _check_index(self, packs: dict[str, list[PackEntry]]) -> None:
+        index = self.repo.index
+        indexed = index.packs()
+        on_disk = set(layout.pack_files(self.repo))
+        for name in sorted(set(indexed) - on_disk):
+            self.problems.append(f"pack {name} is in the index but missing on disk")
+        for name in sorted(on_disk - set(indexed)):
+            self.warnings.append(f"pack {name} is not indexed (interrupted write; gc removes it)")
+        by_pack = {name: {(e.id, e.offset): e for e in entries} for name, entries in packs.items()}
+        for oid, loc in index.iter_objects():
+            entries = by_pack.get(loc.pack)
+            if entries is None:
+                if loc.pack in on_disk:
+                    continue  # the pack itself is reported as corrupt
+                self.problems.append(f"object {oid.hex()} in pack {loc.pack}: pack is missing")
+                continue
+            e = entries.get((oid, loc.offset))
+            if e is None or (e.length, e.raw_length, e.type, e.compression) != (
+                    loc.length, loc.raw_length, loc.type, loc.compression):
+                self.problems.append(
+                    f"object {oid.hex()} in pack {loc.pack}: index does not match the pack header")
+
+    def _check_commits(self) -> dict[str, Commit]:
+        repo = self.repo
+        files = layout.commit_files(repo)
+        commits: dict[str, Commit] = {}
+        for cid, path in files.items():
+            try:
+                commits[cid] = load_commit_file(cid, path)
+            except (StoreError, OSError) as exc:
+                self.problems.append(f"commit {cid}: {exc}")
+        indexed = set(repo.index.commit_ids())
+        for cid in sorted(indexed - set(files)):
+            self.problems.append(f"commit {cid} is in the index but its file is missing")
+        for cid in sorted(set(files) - indexed):
+            self.warnings.append(f"commit {cid} is not indexed (run rebuild-index or gc)")
+        reachable: set[str] = set()
+        try:
+            threads = repo.threads()
+        except StoreError as exc:
+            self.problems.append(str(exc))
+            threads = {}
+        stack: list[tuple[str, str]] = []
+        for name, tip in threads.items():
+            if tip not in files:
+                self.problems.append(f"thread {name!r} points to missing commit {tip}")
+            else:
+                stack.append((tip, f"thread {name!r}"))
+        while stack:
+            cid, via = stack.pop()
+            if cid in reachable:
+                continue
+            reachable.add(cid)
+            c = commits.get(cid)
+            if c is None:
+                if cid not in files:
+                    self.problems.append(f"commit {cid} (reached from {via}) is missing")
+                continue
+            stack.extend((p, f"commit {cid}") for p in c.parents)
+        unreachable = set(commits) - reachable
+        if unreachable:
+            self.warnings.append(
+                f"{len(unreachable)} commit(s) unreachable from any thread (gc removes them)")
+        return {cid: c for cid, c in commits.items() if cid in reachable}
+
+    def _walk(self, commits: dict[str, Commit]) -> None:
+        for cid, commit in commits.items():
+            self._tree(commit.tree, f"commit {cid}")
+
+    def _tree(self, tree_id: str, via: str) -> None:
+        if tree_id in self.trees:
+            return
+        self.trees.add(tree_id)
+        try:
+            entries = self.repo.get_tree(tree_id)
+        except (ObjectMissing, ChecksumMismatch, CorruptObject) as exc:
+            self.problems.append(f"tree {tree_id} (in {via}): {exc}")
+            return
+        for e in entries:
+            if e.kind == "dir":
+                self._tree(e.id, f"tree {tree_id}")
+            elif e.kind == "file":
+                self._blob(e.id, e.size, f"tree {tree_id}")
+
+    def _blob(self, blob_id: str, size: int, via: str) -> None:
+        if blob_id in self.blobs:
+            return
+        self.blobs.add(blob_id)
+        try:
+            blob_size, chunk_ids = self.repo.get_blob_chunks(blob_id)
+        except (ObjectMissing, ChecksumMismatch, CorruptObject) as exc:
+            self.problems.append(f"blob {blob_id} (in {via}): {exc}")
+            return
+        locs = self.repo.index.lookup_many(chunk_ids)
+        total = 0
+        for cid in chunk_ids:
+            loc = locs.get(cid)
+            if loc is None:
+                self.problems.append(f"chunk {cid.hex()} (in blob {blob_id}) is missing")
+                continue
+            total += loc.raw_length
+            self.chunks.add(cid)
+        if blob_size != size or (len(locs) == len(set(chunk_ids)) and total != size):
+            self.problems.append(f"blob {blob_id}: size {total} does not match tree size {size}")
+
+    def _read_data(self, packs: dict[str, list[PackEntry]]) -> None:
+        files = layout.pack_files(self.repo)
+
+        def verify(name: str) -> tuple[list[str], int]:
+            found: list[str] = []
+            count = 0
+            with open(files[name], "rb") as f:
+                for e in packs[name]:
+                    f.seek(e.offset)
+                    payload = f.read(e.length)
+                    count += 1
+                    try:
+                        decode_payload(payload, e.id, e.compression, e.raw_length,
+                                       f"object {e.id.hex()} in pack {name}")
+                    except ChecksumMismatch as exc:
+                        found.append(str(exc))
+            return found, count
+
+        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+            for found, count in pool.map(verify, sorted(packs)):
+                self.problems += found
+                self.objects_read += count
+
+
+def rebuild_index(repo: Repository) -> dict[str, int]:
+    """Recreate the index from pack headers and commit files under the exclusive lock."""
+    with FileLock(repo.lock_path, timeout=repo.lock_timeout):
+        try:
+            index = repo.index
+        except IndexCorrupt:
+            repo.close()
+            for suffix in ("", "-wal", "-shm"):
+                Path(str(repo.index_path) + suffix).unlink(missing_ok=True)
+            index = repo.index
+        packs, pack_problems = read_packs(repo)
+        files = layout.pack_files(repo)
+        pack_rows = [(name, files[name].stat().st_size, entries) for name, entries in packs.items()]
+        commits = []
+        skipped_commits = 0
+        for cid, path in layout.commit_files(repo).items():
+            try:
+                commit = load_commit_file(cid, path)
+            except (StoreError, OSError):
+                skipped_commits += 1
+                continue
+            commits.append((commit, path.read_bytes()))
+        index.replace_all(pack_rows, commits)
+        return {"packs": len(pack_rows), "objects": sum(len(e) for _, _, e in pack_rows),
+                "commits": len(commits), "skipped_packs": len(pack_problems),
+                "skipped_commits": skipped_commits}

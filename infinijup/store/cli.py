@@ -1,0 +1,171 @@
+"""Command line for the store: ``infinijup store ...`` / ``python -m infinijup.store``.
+
+Exit status: 0 success, 1 ``check`` found a problem, 2 an error (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from infinijup.errors import InfinijupError
+
+from .objects import Commit
+from .repository import Repository, default_store_path
+
+
+def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register the ``store`` subcommand (with its sub-subcommands) on ``subparsers``."""
+    p = subparsers.add_parser("store", help="inspect and maintain the snapshot store",
+                              description="Inspect and maintain the snapshot store.")
+    _configure(p)
+    return p
+
+
+def _configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store", metavar="PATH", default=None,
+                   help="store directory (default: $INFINIJUP_STORE or "
+                        "~/.local/share/infinijup/store)")
+    sub = p.add_subparsers(dest="store_command", metavar="COMMAND")
+    sub.required = True
+    log = sub.add_parser("log", help="list commits, newest first")
+    log.add_argument("--thread", help="only ancestors of this thread's tip")
+    log.add_argument("--json", action="store_true", help="one JSON object per line")
+    sub.add_parser("threads", help="list threads and their tips")
+    show = sub.add_parser("show", help="show one commit and its files")
+    show.add_argument("ref", help="commit id, unique prefix (>= 8 hex) or thread name")
+    check = sub.add_parser("check", help="verify the store (exit 1 on a problem)")
+    check.add_argument("--read-data", action="store_true", help="re-hash every stored object")
+    gc = sub.add_parser("gc", help="remove what no thread reaches")
+    gc.add_argument("--dry-run", action="store_true", help="only report what would go")
+    sub.add_parser("stats", help="sizes and counts")
+    sub.add_parser("rebuild-index", help="rebuild the index from packs and commits")
+    p.set_defaults(store_handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute a parsed ``store`` command; returns the exit status."""
+    path = args.store or default_store_path()
+    try:
+        repo = Repository.open(path)
+        try:
+            return _COMMANDS[args.store_command](repo, args)
+        finally:
+            repo.close()
+    except InfinijupError as exc:
+        print(f"infinijup store: error: {exc} [{exc.reason}]", file=sys.stderr)
+        return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m infinijup.store``."""
+    parser = argparse.ArgumentParser(prog="python -m infinijup.store",
+                                     description="Inspect and maintain the snapshot store.")
+    _configure(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except BrokenPipeError:
+        return 0
+
+
+def _fmt_time(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def _commit_line(c: Commit) -> str:
+    s = c.stats
+    return (f"{c.short_id}  {_fmt_time(c.created)}  {c.thread:<16}  "
+            f"{_human(s.get('image_bytes', 0)):>10} image  "
+            f"{_human(s.get('stored_bytes', 0)):>10} new  {c.message}")
+
+
+def _log(repo: Repository, args: argparse.Namespace) -> int:
+    for c in repo.log(args.thread):
+        if args.json:
+            print(json.dumps({"id": c.id, **c.to_json()}, sort_keys=True))
+        else:
+            print(_commit_line(c))
+    return 0
+
+
+def _threads(repo: Repository, args: argparse.Namespace) -> int:
+    for name, tip in repo.threads().items():
+        print(f"{name}\t{tip[:12]}")
+    return 0
+
+
+def _show(repo: Repository, args: argparse.Namespace) -> int:
+    c = repo.get_commit(args.ref)
+    print(f"commit   {c.id}")
+    print(f"thread   {c.thread}")
+    print(f"parents  {' '.join(c.parents) or '-'}")
+    print(f"created  {_fmt_time(c.created)}")
+    print(f"tree     {c.tree}")
+    print(f"message  {c.message}")
+    print(f"metadata {json.dumps(c.metadata, sort_keys=True)}")
+    print(f"stats    {json.dumps(c.stats, sort_keys=True)}")
+    _print_tree(repo, c.tree, "  ")
+    return 0
+
+
+def _print_tree(repo: Repository, tree_id: str, indent: str) -> None:
+    for e in repo.get_tree(tree_id):
+        if e.kind == "dir":
+            print(f"{indent}{oct(e.mode)[2:]:>5}  {'':>12}  {e.name}/")
+            _print_tree(repo, e.id, indent + "  ")
+        elif e.kind == "file":
+            print(f"{indent}{oct(e.mode)[2:]:>5}  {e.size:>12}  {e.name}")
+        else:
+            print(f"{indent}{'link':>5}  {'':>12}  {e.name} -> {e.target}")
+
+
+def _check(repo: Repository, args: argparse.Namespace) -> int:
+    report = repo.check(read_data=args.read_data)
+    for w in report.warnings:
+        print(f"warning: {w}")
+    for p in report.problems:
+        print(f"problem: {p}")
+    print(f"checked {report.commits} commits, {report.trees} trees, {report.blobs} blobs, "
+          f"{report.chunks} chunks in {report.packs} packs"
+          + (f" ({report.objects_read} objects re-hashed)" if args.read_data else ""))
+    print("ok" if report.ok else f"{len(report.problems)} problem(s) found")
+    return 0 if report.ok else 1
+
+
+def _gc(repo: Repository, args: argparse.Namespace) -> int:
+    r = repo.gc(dry_run=args.dry_run)
+    verb = "would remove" if r.dry_run else "removed"
+    print(f"{verb} {len(r.commits_removed)} commits, {r.objects_removed} objects, "
+          f"{len(r.packs_deleted)} packs; repacked {len(r.packs_repacked)} packs; "
+          f"{r.leftovers_removed} leftovers; {_human(r.bytes_freed)} freed")
+    return 0
+
+
+def _stats(repo: Repository, args: argparse.Namespace) -> int:
+    for k, v in repo.stats().items():
+        print(f"{k:<20} {v}")
+    return 0
+
+
+def _rebuild(repo: Repository, args: argparse.Namespace) -> int:
+    r = repo.rebuild_index()
+    print(f"indexed {r['packs']} packs ({r['objects']} objects) and {r['commits']} commits; "
+          f"skipped {r['skipped_packs']} damaged packs, {r['skipped_commits']} damaged commits")
+    return 0
+
+
+_COMMANDS = {"log": _log, "threads": _threads, "show": _show, "check": _check, "gc": _gc,
+             "stats": _stats, "rebuild-index": _rebuild}

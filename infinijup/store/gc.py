@@ -1,0 +1,202 @@
+"""``gc``: remove commits no thread reaches and the objects only they used.
+
+Plan, then execute, all under the *exclusive* store lock (no writer can be deduplicating
+against or writing anything gc decides about):
+
+plan
+    mark every commit reachable from a thread tip, and every tree, blob and chunk they use
+    (refusing to go on if any of it is missing or damaged: run check); sort packs into
+    *keep*, *repack* (>= ``REPACK_UNUSED`` of their bytes unused) and *delete* (nothing used).
+execute (each step durable before the next, so a crash leaves a valid store)
+    1. copy live objects of repack packs into new packs (verified on read), index them;
+    2. forget garbage commits in the index, then delete their files;
+    3. forget deleted/repacked packs in the index, then delete the files;
+    4. delete unindexed packs and temp files left by interrupted writes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from . import fsutil, layout
+from .check import load_commit_file
+from .errors import StoreError
+from .faults import crashpoint
+from .lock import FileLock
+from .objects import Commit
+from .packs import PackWriter, decode_payload, pack_path
+
+if TYPE_CHECKING:
+    from .repository import Repository
+
+REPACK_UNUSED = 0.10
+
+
+@dataclass(frozen=True)
+class GcReport:
+    """What gc removed (or, with ``dry_run``, would remove)."""
+
+    dry_run: bool
+    commits_removed: list[str] = field(default_factory=list)
+    packs_deleted: list[str] = field(default_factory=list)
+    packs_repacked: list[str] = field(default_factory=list)
+    packs_written: list[str] = field(default_factory=list)
+    objects_removed: int = 0
+    bytes_freed: int = 0
+    leftovers_removed: int = 0
+
+
+def gc(repo: Repository, *, dry_run: bool = False) -> GcReport:
+    """Collect garbage in ``repo``; see the module docs."""
+    with FileLock(repo.lock_path, timeout=repo.lock_timeout):
+        plan = _plan(repo)
+        if dry_run:
+            return GcReport(True, sorted(plan.garbage_commits), sorted(plan.delete),
+                            sorted(plan.repack), [], plan.objects_removed, plan.bytes_freed,
+                            len(plan.orphans) + len(plan.tmp))
+        return _execute(repo, plan)
+
+
+@dataclass
+class _Plan:
+    live: set[bytes]
+    garbage_commits: dict[str, int]  # id -> file size
+    delete: dict[str, int]  # pack -> size
+    repack: dict[str, int]
+    orphans: dict[str, int]  # unindexed pack files
+    tmp: list[str]
+    objects_removed: int = 0
+    bytes_freed: int = 0
+
+
+def _plan(repo: Repository) -> _Plan:
+    files = layout.commit_files(repo)
+    reachable: dict[str, Commit] = {}
+    stack = list(repo.threads().values())
+    while stack:
+        cid = stack.pop()
+        if cid in reachable:
+            continue
+        if cid not in files:
+            raise StoreError(f"gc refused: commit {cid} is missing (run check)")
+        reachable[cid] = load_commit_file(cid, files[cid])
+        stack.extend(reachable[cid].parents)
+    live: set[bytes] = set()
+    for commit in reachable.values():
+        _mark_tree(repo, commit.tree, live)
+    indexed_live = repo.index.known(list(live))
+    if len(indexed_live) != len(live):
+        missing = min(live - indexed_live).hex()
+        raise StoreError(f"gc refused: live object {missing} is not indexed (run check)")
+    garbage_commits = {cid: p.stat().st_size for cid, p in files.items() if cid not in reachable}
+    for cid in repo.index.commit_ids():
+        if cid not in reachable and cid not in garbage_commits:
+            garbage_commits[cid] = 0
+    packs = repo.index.packs()
+    used: dict[str, int] = {name: 0 for name in packs}
+    dead_objects: dict[str, int] = {name: 0 for name in packs}
+    for oid, loc in repo.index.iter_objects():
+        if oid in live:
+            used[loc.pack] += loc.length
+        else:
+            dead_objects[loc.pack] += 1
+    plan = _Plan(live, garbage_commits, {}, {}, {}, [])
+    for name, (size, _count) in packs.items():
+        if used[name] == 0:
+            plan.delete[name] = size
+        elif size - used[name] >= REPACK_UNUSED * size:
+            plan.repack[name] = size
+        plan.objects_removed += dead_objects[name] if (name in plan.delete or name in plan.repack) \
+            else 0
+    on_disk = layout.pack_files(repo)
+    plan.orphans = {n: p.stat().st_size for n, p in on_disk.items() if n not in packs}
+    plan.tmp = [p.name for p in layout.tmp_files(repo)]
+    plan.bytes_freed = (sum(plan.delete.values()) + sum(plan.orphans.values())
+                        + sum(plan.repack.values()) - sum(used[n] for n in plan.repack)
+                        + sum(garbage_commits.values()))
+    return plan
+
+
+def _mark_tree(repo: Repository, tree_id: str, live: set[bytes]) -> None:
+    oid = bytes.fromhex(tree_id)
+    if oid in live:
+        return
+    live.add(oid)
+    for e in repo.get_tree(tree_id):
+        if e.kind == "dir":
+            _mark_tree(repo, e.id, live)
+        elif e.kind == "file":
+            bid = bytes.fromhex(e.id)
+            if bid not in live:
+                live.add(bid)
+                live.update(repo.get_blob_chunks(e.id)[1])
+
+
+def _execute(repo: Repository, plan: _Plan) -> GcReport:
+    index = repo.index
+    written: list[str] = []
+    if plan.repack:
+        written = _repack(repo, plan)
+        crashpoint("gc_after_repack")
+    if plan.garbage_commits:
+        index.remove_commits(plan.garbage_commits)
+        crashpoint("gc_after_commit_index")
+        for cid in plan.garbage_commits:
+            fsutil.unlink_durable(repo.commits_dir / cid[:2] / cid)
+        crashpoint("gc_after_commit_files")
+    doomed = [*plan.delete, *plan.repack]
+    if doomed:
+        index.remove_packs(doomed)
+        crashpoint("gc_after_pack_index")
+        for name in doomed:
+            fsutil.unlink_durable(pack_path(repo.packs_dir, name))
+        crashpoint("gc_after_pack_files")
+    for name in plan.orphans:
+        fsutil.unlink_durable(pack_path(repo.packs_dir, name))
+    for tmp in plan.tmp:
+        (repo.tmp_dir / tmp).unlink(missing_ok=True)
+    return GcReport(False, sorted(plan.garbage_commits), sorted(plan.delete),
+                    sorted(plan.repack), written, plan.objects_removed, plan.bytes_freed,
+                    len(plan.orphans) + len(plan.tmp))
+
+
+def _repack(repo: Repository, plan: _Plan) -> list[str]:
+    """Copy the live objects of the packs to repack into new packs; index them there."""
+    written: list[str] = []
+    writer: PackWriter | None = None
+    current, f = "", None
+
+    def finish(w: PackWriter) -> None:
+        name, _path, size = w.finish()
+        repo.index.add_packs([(name, size, w.entries)], replace=True)
+        written.append(name)
+        plan.bytes_freed -= size - sum(e.length for e in w.entries)
+
+    try:
+        for oid, loc in repo.index.iter_objects():  # grouped by pack, in file order
+            if loc.pack not in plan.repack or oid not in plan.live:
+                continue
+            if loc.pack != current:
+                if f is not None:
+                    f.close()
+                current, f = loc.pack, open(pack_path(repo.packs_dir, loc.pack), "rb")
+            f.seek(loc.offset)
+            payload = f.read(loc.length)
+            decode_payload(payload, oid, loc.compression, loc.raw_length,
+                           f"object {oid.hex()} in pack {loc.pack}")
+            if writer is None:
+                writer = PackWriter(repo.packs_dir, repo.tmp_dir)
+            writer.add(loc.type, oid, payload, loc.compression, loc.raw_length)
+            if writer.size >= repo.config.pack_size:
+                finish(writer)
+                writer = None
+        if writer is not None:
+            finish(writer)
+            writer = None
+    finally:
+        if f is not None:
+            f.close()
+        if writer is not None:
+            writer.abort()
+    return written

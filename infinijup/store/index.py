@@ -1,0 +1,298 @@
+"""The SQLite index: where each object lives, and what each commit says.
+
+The index is a cache. Everything in it is derived from pack headers and commit files and can
+be rebuilt (``Repository.rebuild_index``); the thread refs live in ``refs/`` files, not
+here. It runs in WAL mode so readers never block the one writer, with a busy timeout so
+concurrent processes queue rather than fail.
+
+Tables: ``packs`` (one row per pack file), ``objects`` (object id -> pack, offset, lengths,
+type, compression), ``commits`` (id, created, thread, tree, encoded commit),
+``commit_parents`` and ``commit_meta`` (top-level metadata key -> canonical JSON value, so
+snapshots can be found by notebook path, kernel id, ...).
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import fsutil
+from .errors import IndexCorrupt
+from .objects import Commit, canonical_json
+from .packs import PackEntry
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS packs (
+    pid INTEGER PRIMARY KEY,
+    name TEXT NOT NULL UNIQUE,
+    size INTEGER NOT NULL,
+    count INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS objects (
+    id BLOB PRIMARY KEY,
+    pid INTEGER NOT NULL,
+    offset INTEGER NOT NULL,
+    length INTEGER NOT NULL,
+    raw_length INTEGER NOT NULL,
+    type INTEGER NOT NULL,
+    compression INTEGER NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS objects_pid ON objects (pid);
+CREATE TABLE IF NOT EXISTS commits (
+    id TEXT PRIMARY KEY,
+    created REAL NOT NULL,
+    thread TEXT NOT NULL,
+    tree TEXT NOT NULL,
+    body BLOB NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS commits_created ON commits (created);
+CREATE TABLE IF NOT EXISTS commit_parents (
+    child TEXT NOT NULL, parent TEXT NOT NULL, pos INTEGER NOT NULL,
+    PRIMARY KEY (child, pos)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS commit_meta (
+    commit_id TEXT NOT NULL, key TEXT NOT NULL, value TEXT NOT NULL,
+    PRIMARY KEY (commit_id, key)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS commit_meta_kv ON commit_meta (key, value);
+"""
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where an object is stored."""
+
+    pack: str
+    offset: int
+    length: int
+    raw_length: int
+    type: int
+    compression: int
+
+
+class Index:
+    """A thread-safe handle on the SQLite index of one store."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.RLock()
+        if not path.exists():
+            os.close(fsutil.open_private(path, os.O_WRONLY | os.O_CREAT))
+        try:
+            self._db = sqlite3.connect(
+                str(path), timeout=60.0, isolation_level=None, check_same_thread=False
+            )
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+            row = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
+            if row is None:
+                self._db.execute(
+                    "INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),)
+                )
+            elif row[0] != str(SCHEMA_VERSION):
+                raise IndexCorrupt(
+                    f"index schema {row[0]} is not {SCHEMA_VERSION}; run rebuild-index"
+                )
+        except sqlite3.DatabaseError as exc:
+            raise IndexCorrupt(
+                f"index {path} is unreadable ({exc}); run `infinijup store rebuild-index`"
+            ) from exc
+
+    def close(self) -> None:
+        """Close the connection."""
+        with self._lock:
+            self._db.close()
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _query(self, sql: str, params: Iterable[Any] = ()) -> list[tuple[Any, ...]]:
+        with self._lock:
+            try:
+                return self._db.execute(sql, tuple(params)).fetchall()
+            except sqlite3.DatabaseError as exc:
+                raise IndexCorrupt(f"index query failed ({exc}); run rebuild-index") from exc
+
+    def _write(self, statements: list[tuple[str, Any, bool]]) -> None:
+        """Run (sql, params, many) statements in one IMMEDIATE transaction."""
+        with self._lock:
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    for sql, params, many in statements:
+                        if many:
+                            self._db.executemany(sql, params)  # type: ignore[arg-type]
+                        else:
+                            self._db.execute(sql, tuple(params))
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+                self._db.execute("COMMIT")
+            except sqlite3.DatabaseError as exc:
+                raise IndexCorrupt(f"index update failed ({exc}); run rebuild-index") from exc
+
+    # -- objects ---------------------------------------------------------------------------
+
+    def add_pack(self, name: str, size: int, entries: list[PackEntry]) -> None:
+        """Record a pack and its objects; objects already indexed keep their location."""
+        self.add_packs([(name, size, entries)])
+
+    def add_packs(self, packs: list[tuple[str, int, list[PackEntry]]], *,
+                  replace: bool = False) -> None:
+        """Record several packs in one transaction. ``replace`` moves existing objects."""
+        self._write(_pack_statements(packs, replace))
+
+    def remove_packs(self, names: Iterable[str]) -> None:
+        """Forget packs and every object located in them."""
+        rows = [(n,) for n in names]
+        self._write([
+            ("DELETE FROM objects WHERE pid IN (SELECT pid FROM packs WHERE name=?)", rows, True),
+            ("DELETE FROM packs WHERE name=?", rows, True),
+        ])
+
+    def known(self, ids: list[bytes]) -> set[bytes]:
+        """The subset of ``ids`` that the index holds."""
+        found: set[bytes] = set()
+        for i in range(0, len(ids), 500):
+            part = ids[i : i + 500]
+            marks = ",".join("?" * len(part))
+            found.update(r[0] for r in self._query(
+                f"SELECT id FROM objects WHERE id IN ({marks})", part))
+        return found
+
+    def lookup(self, oid: bytes) -> Location | None:
+        """Where object ``oid`` is stored, or None."""
+        rows = self._query(
+            "SELECT p.name, o.offset, o.length, o.raw_length, o.type, o.compression "
+            "FROM objects o JOIN packs p ON p.pid = o.pid WHERE o.id = ?", (oid,))
+        return Location(*rows[0]) if rows else None
+
+    def lookup_many(self, ids: list[bytes]) -> dict[bytes, Location]:
+        """Locations of those ``ids`` that are indexed."""
+        out: dict[bytes, Location] = {}
+        for i in range(0, len(ids), 500):
+            part = list(dict.fromkeys(ids[i : i + 500]))
+            marks = ",".join("?" * len(part))
+            for row in self._query(
+                "SELECT o.id, p.name, o.offset, o.length, o.raw_length, o.type, o.compression "
+                f"FROM objects o JOIN packs p ON p.pid = o.pid WHERE o.id IN ({marks})", part):
+                out[row[0]] = Location(*row[1:])
+        return out
+
+    def packs(self) -> dict[str, tuple[int, int]]:
+        """Every indexed pack: name -> (size, object count)."""
+        return {n: (s, c) for n, s, c in self._query("SELECT name, size, count FROM packs")}
+
+    def iter_objects(self) -> Iterator[tuple[bytes, Location]]:
+        """Every indexed object with its location, grouped by pack, in file order."""
+        rows = self._query(
+            "SELECT o.id, p.name, o.offset, o.length, o.raw_length, o.type, o.compression "
+            "FROM objects o JOIN packs p ON p.pid = o.pid ORDER BY p.name, o.offset")
+        for row in rows:
+            yield row[0], Location(*row[1:])
+
+    def object_totals(self) -> dict[int, tuple[int, int, int]]:
+        """Per object type: (count, stored bytes, raw bytes)."""
+        return {t: (c, s, r) for t, c, s, r in self._query(
+            "SELECT type, COUNT(*), SUM(length), SUM(raw_length) FROM objects GROUP BY type")}
+
+    # -- commits ---------------------------------------------------------------------------
+
+    def add_commits(self, commits: list[tuple[Commit, bytes]]) -> None:
+        """Index commits (with their encoded bodies)."""
+        self._write(_commit_statements(commits))
+
+    def remove_commits(self, ids: Iterable[str]) -> None:
+        """Forget commits."""
+        rows = [(i,) for i in ids]
+        self._write([
+            ("DELETE FROM commits WHERE id=?", rows, True),
+            ("DELETE FROM commit_parents WHERE child=?", rows, True),
+            ("DELETE FROM commit_meta WHERE commit_id=?", rows, True),
+        ])
+
+    def has_commit(self, commit_id: str) -> bool:
+        """Whether the commit is indexed."""
+        return bool(self._query("SELECT 1 FROM commits WHERE id=?", (commit_id,)))
+
+    def commits_with_prefix(self, prefix: str, limit: int = 2) -> list[str]:
+        """Up to ``limit`` commit ids starting with ``prefix`` (lower-case hex)."""
+        upper = prefix + "g"  # 'g' sorts after every hex digit
+        return [r[0] for r in self._query(
+            "SELECT id FROM commits WHERE id >= ? AND id < ? ORDER BY id LIMIT ?",
+            (prefix, upper, limit))]
+
+    def commit_ids(self) -> list[str]:
+        """Every indexed commit id, newest first."""
+        return [r[0] for r in self._query("SELECT id FROM commits ORDER BY created DESC, id")]
+
+    def commit_parents(self) -> dict[str, list[str]]:
+        """child -> parents, for every indexed commit."""
+        out: dict[str, list[str]] = {}
+        for child, parent in self._query(
+                "SELECT child, parent FROM commit_parents ORDER BY child, pos"):
+            out.setdefault(child, []).append(parent)
+        return out
+
+    def find_commits(self, metadata: dict[str, Any], thread: str | None = None) -> list[str]:
+        """Ids of commits whose top-level metadata equals every given key/value, newest first."""
+        sql = "SELECT c.id FROM commits c"
+        params: list[Any] = []
+        for i, (k, v) in enumerate(sorted(metadata.items())):
+            sql += (f" JOIN commit_meta m{i} ON m{i}.commit_id = c.id"
+                    f" AND m{i}.key = ? AND m{i}.value = ?")
+            params += [k, canonical_json(v).decode()]
+        if thread is not None:
+            sql += " WHERE c.thread = ?"
+            params.append(thread)
+        return [r[0] for r in self._query(sql + " ORDER BY c.created DESC, c.id", params)]
+
+    def commit_count(self) -> int:
+        """Number of indexed commits."""
+        return int(self._query("SELECT COUNT(*) FROM commits")[0][0])
+
+    def replace_all(self, packs: list[tuple[str, int, list[PackEntry]]],
+                    commits: list[tuple[Commit, bytes]]) -> None:
+        """Atomically replace the whole content (used by rebuild-index)."""
+        clear = [(f"DELETE FROM {t}", (), False) for t in
+                 ("objects", "packs", "commits", "commit_parents", "commit_meta")]
+        self._write(clear + _pack_statements(packs, False) + _commit_statements(commits))
+
+
+_Stmt = tuple[str, Any, bool]
+
+
+def _pack_statements(packs: list[tuple[str, int, list[PackEntry]]], replace: bool) -> list[_Stmt]:
+    verb = "INSERT OR REPLACE" if replace else "INSERT OR IGNORE"
+    stmts: list[_Stmt] = []
+    for name, size, entries in packs:
+        stmts.append(("INSERT OR IGNORE INTO packs (name, size, count) VALUES (?,?,?)",
+                      (name, size, len(entries)), False))
+        stmts.append((
+            f"{verb} INTO objects SELECT ?, (SELECT pid FROM packs WHERE name=?), ?, ?, ?, ?, ?",
+            [(e.id, name, e.offset, e.length, e.raw_length, e.type, e.compression)
+             for e in entries],
+            True,
+        ))
+    return stmts
+
+
+def _commit_statements(commits: list[tuple[Commit, bytes]]) -> list[_Stmt]:
+    stmts: list[_Stmt] = []
+    for c, body in commits:
+        stmts.append(("INSERT OR IGNORE INTO commits VALUES (?,?,?,?,?)",
+                      (c.id, c.created, c.thread, c.tree, body), False))
+        stmts.append(("INSERT OR IGNORE INTO commit_parents VALUES (?,?,?)",
+                      [(c.id, p, i) for i, p in enumerate(c.parents)], True))
+        stmts.append(("INSERT OR IGNORE INTO commit_meta VALUES (?,?,?)",
+                      [(c.id, k, canonical_json(v).decode()) for k, v in c.metadata.items()],
+                      True))
+    return stmts

@@ -1,0 +1,577 @@
+"""The content-addressed snapshot store: ``Repository``.
+
+On disk (every directory 0700, every file 0600)::
+
+    config                 format version, chunker and compression parameters (JSON)
+    packs/<xx>/<pack id>   chunk, blob and tree objects (see packs.py)
+    commits/<xx>/<id>      one canonical-JSON commit per file, named by its BLAKE3
+    refs/<quoted thread>   the tip commit id of each thread
+    index.sqlite           the index (a rebuildable cache, WAL mode)
+    lock, refs.lock        flock-based locks (see lock.py)
+    tmp/                   packs being written
+
+A snapshot is written in the order packs -> index -> commit object -> ref, each step
+durable (fsync) before the next, so a crash at any point leaves every earlier commit intact
+and at worst some unreferenced garbage that ``gc`` removes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import threading
+import time
+import urllib.parse
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from . import fsutil
+from .chunking import ChunkerParams, make_chunker
+from .errors import (
+    AmbiguousRef,
+    CheckoutTargetNotEmpty,
+    ChecksumMismatch,
+    CorruptObject,
+    InvalidRef,
+    InvalidTree,
+    ObjectMissing,
+    RefConflict,
+    StoreExists,
+    StoreNotFound,
+    UnknownRef,
+    UnsupportedFormat,
+)
+from .faults import crashpoint
+from .index import Index
+from .lock import DEFAULT_TIMEOUT, FileLock
+from .objects import (
+    BLOB,
+    CHUNK,
+    TREE,
+    Commit,
+    TreeEntry,
+    canonical_json,
+    decode_blob,
+    decode_commit,
+    decode_tree,
+    encode_commit,
+    hash_bytes,
+    is_hex_id,
+)
+from .packs import decode_payload, pack_path
+from .writer import Dir, Writer, entries_from_dir
+
+if TYPE_CHECKING:
+    from .check import CheckReport
+    from .gc import GcReport
+
+FORMAT = "infinijup-store"
+VERSION = 1
+MIN_PREFIX = 8
+MAX_PACK = 512 << 20
+_HEX = frozenset("0123456789abcdef")
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+#: Sentinel for "do not check" in compare-and-swap arguments.
+UNSET: Any = _Unset()
+
+
+def default_store_path() -> Path:
+    """``$INFINIJUP_STORE`` if set, else ``~/.local/share/infinijup/store``."""
+    env = os.environ.get("INFINIJUP_STORE")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".local" / "share" / "infinijup" / "store"
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """The parameters fixed when a store is created (the ``config`` file)."""
+
+    id: str
+    chunker: ChunkerParams
+    compression_level: int = 1
+    min_saving: float = 0.05
+    pack_size: int = 128 << 20
+
+    def to_json(self) -> bytes:
+        """Encoding of the config file."""
+        return json.dumps({
+            "format": FORMAT, "version": VERSION, "id": self.id,
+            "chunker": self.chunker.to_dict(),
+            "compression": {"algorithm": "zstd", "level": self.compression_level,
+                            "min_saving": self.min_saving},
+            "pack_size": self.pack_size,
+        }, indent=2, sort_keys=True).encode() + b"\n"
+
+    @classmethod
+    def from_json(cls, data: bytes) -> StoreConfig:
+        """Parse and validate a config file."""
+        try:
+            obj = json.loads(data)
+            if obj.get("format") != FORMAT:
+                raise UnsupportedFormat("not an infinijup store config")
+            if obj.get("version") != VERSION:
+                raise UnsupportedFormat(
+                    f"store format version {obj.get('version')!r} is not supported "
+                    f"(this code reads version {VERSION})")
+            comp = obj["compression"]
+            if comp.get("algorithm") != "zstd":
+                raise UnsupportedFormat(f"unknown compression {comp.get('algorithm')!r}")
+            cfg = cls(str(obj["id"]), ChunkerParams.from_dict(obj["chunker"]),
+                      int(comp["level"]), float(comp["min_saving"]), int(obj["pack_size"]))
+        except UnsupportedFormat:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise UnsupportedFormat(f"store config is malformed: {exc}") from exc
+        if not (0 < cfg.pack_size <= MAX_PACK):
+            raise UnsupportedFormat(f"pack_size must be in (0, {MAX_PACK}]")
+        return cfg
+
+
+class Repository:
+    """A snapshot store on local disk. Safe for threads and processes (see lock.py)."""
+
+    def __init__(self, path: Path, config: StoreConfig, *,
+                 lock_timeout: float = DEFAULT_TIMEOUT) -> None:
+        """Use :meth:`open`, :meth:`init` or :meth:`open_or_init` instead."""
+        self.path = path
+        self.config = config
+        self.lock_timeout = lock_timeout
+        self.chunker = make_chunker(config.chunker)
+        self.packs_dir = path / "packs"
+        self.commits_dir = path / "commits"
+        self.refs_dir = path / "refs"
+        self.tmp_dir = path / "tmp"
+        self.lock_path = path / "lock"
+        self.refs_lock_path = path / "refs.lock"
+        self.index_path = path / "index.sqlite"
+        self._index: Index | None = None
+        self._index_lock = threading.Lock()
+
+    # -- opening ---------------------------------------------------------------------------
+
+    @classmethod
+    def init(cls, path: str | os.PathLike[str], *, chunker: ChunkerParams | None = None,
+             compression_level: int = 1, pack_size: int = 128 << 20,
+             lock_timeout: float = DEFAULT_TIMEOUT) -> Repository:
+        """Create a new store at ``path`` (absent or an empty directory) and open it."""
+        root = Path(path).expanduser()
+        if (root / "config").exists():
+            raise StoreExists(f"a store already exists at {root}")
+        if root.exists() and (not root.is_dir() or any(root.iterdir())):
+            raise StoreExists(f"{root} exists and is not an empty directory")
+        fsutil.make_private_dir(root)
+        for sub in ("packs", "commits", "refs", "tmp"):
+            fsutil.make_private_dir(root / sub)
+        config = StoreConfig(uuid.uuid4().hex, chunker or ChunkerParams(), compression_level,
+                             pack_size=pack_size)
+        StoreConfig.from_json(config.to_json())  # validate before writing
+        tmp = fsutil.temp_name(root, "config")
+        fd = fsutil.open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            os.write(fd, config.to_json())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, root / "config")  # fails if a concurrent init won
+        except FileExistsError:
+            raise StoreExists(f"a store already exists at {root}") from None
+        finally:
+            os.unlink(tmp)
+        fsutil.fsync_dir(root)
+        repo = cls(root, config, lock_timeout=lock_timeout)
+        repo.index.commit_count()  # create the index file now
+        return repo
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], *,
+             lock_timeout: float = DEFAULT_TIMEOUT) -> Repository:
+        """Open an existing store. A missing index is rebuilt from the packs."""
+        root = Path(path).expanduser()
+        try:
+            data = (root / "config").read_bytes()
+        except FileNotFoundError:
+            raise StoreNotFound(f"no infinijup store at {root}") from None
+        except NotADirectoryError:
+            raise StoreNotFound(f"no infinijup store at {root}") from None
+        repo = cls(root, StoreConfig.from_json(data), lock_timeout=lock_timeout)
+        if not repo.index_path.exists():
+            repo.rebuild_index()
+        return repo
+
+    @classmethod
+    def open_or_init(cls, path: str | os.PathLike[str], **kwargs: Any) -> Repository:
+        """Open the store at ``path``, creating it first if there is none."""
+        try:
+            return cls.open(path, **{k: v for k, v in kwargs.items() if k == "lock_timeout"})
+        except StoreNotFound:
+            pass
+        try:
+            return cls.init(path, **kwargs)
+        except StoreExists:
+            return cls.open(path, **{k: v for k, v in kwargs.items() if k == "lock_timeout"})
+
+    @property
+    def index(self) -> Index:
+        """The SQLite index (opened on first use)."""
+        with self._index_lock:
+            if self._index is None:
+                self._index = Index(self.index_path)
+            return self._index
+
+    def close(self) -> None:
+        """Close the index connection."""
+        with self._index_lock:
+            if self._index is not None:
+                self._index.close()
+                self._index = None
+
+    def __enter__(self) -> Repository:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Repository({str(self.path)!r})"
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def writer(self, *, threads: int | None = None) -> Writer:
+        """A streaming writer (context manager). ``threads`` defaults to all cores."""
+        return Writer(self, threads=threads)
+
+    def commit_tree(self, entries: Mapping[str, Any], *, thread: str, message: str = "",
+                    metadata: dict[str, Any] | None = None, parents: list[str] | None = None,
+                    expected_tip: str | None = UNSET, writer: Writer | None = None) -> Commit:
+        """Commit a tree built from ``entries`` (name -> Blob/File/Symlink/Dir/mapping).
+
+        ``parents`` None means the thread's current tip (if any). The thread ref is moved
+        with compare-and-swap: if ``expected_tip`` is given (a commit id, or None for "the
+        thread must not exist") and the tip differs, RefConflict is raised and the ref is
+        left alone. Pass the ``writer`` that stored the blobs to get full stats.
+        """
+        own = writer is None
+        w = writer if writer is not None else self.writer(threads=1)
+        try:
+            tree_id, image_bytes = w.add_tree(entries)
+            w.flush()
+            ws = w.take_stats()
+            stats = {"image_bytes": image_bytes, "stored_bytes": ws.stored_bytes,
+                     "files": ws.files, "chunks": ws.chunks, "new_chunks": ws.new_chunks}
+            return self._commit(tree_id, thread=thread, message=message,
+                                metadata=metadata or {}, parents=parents,
+                                expected_tip=expected_tip, stats=stats)
+        except BaseException:
+            if own:
+                w.abort()
+            raise
+        finally:
+            if own:
+                w.close()
+
+    def commit_dir(self, path: str | os.PathLike[str], *, thread: str, message: str = "",
+                   metadata: dict[str, Any] | None = None, parents: list[str] | None = None,
+                   expected_tip: str | None = UNSET, threads: int | None = None) -> Commit:
+        """Snapshot the directory at ``path`` (files, sub-directories, symlinks, modes)."""
+        root = Path(path)
+        if not root.is_dir():
+            raise InvalidTree(f"{root} is not a directory")
+        with self.writer(threads=threads) as w:
+            top = entries_from_dir(w, root)
+            return w.commit(top.entries, thread=thread, message=message, metadata=metadata,
+                            parents=parents, expected_tip=expected_tip)
+
+    def _commit(self, tree_id: str, *, thread: str, message: str, metadata: dict[str, Any],
+                parents: list[str] | None, expected_tip: str | None, stats: dict[str, Any]
+                ) -> Commit:
+        _check_thread_name(thread)
+        if not isinstance(message, str):
+            raise InvalidTree("message must be a string")
+        if not isinstance(metadata, dict) or not all(isinstance(k, str) for k in metadata):
+            raise InvalidTree("metadata must be a dict with string keys")
+        canonical_json(metadata)  # raises on values JSON cannot carry
+        if parents is not None:
+            parents = [self.resolve(p) for p in parents]
+        with FileLock(self.refs_lock_path, timeout=self.lock_timeout):
+            tip = self._read_ref(thread)
+            if expected_tip is not UNSET and tip != expected_tip:
+                raise RefConflict(
+                    f"thread {thread!r} is at {tip or 'nothing'}, expected {expected_tip or 'nothing'}")
+            if parents is None:
+                parents = [tip] if tip else []
+            draft = Commit("", tuple(parents), tree_id, time.time(), message, metadata, thread,
+                           stats)
+            body = encode_commit(draft)
+            commit = Commit(hash_bytes(body).hex(), draft.parents, tree_id, draft.created,
+                            message, json.loads(canonical_json(metadata)), thread, stats)
+            fsutil.atomic_write(self._commit_path(commit.id), body, tmp_dir=self.tmp_dir)
+            crashpoint("after_commit")
+            self.index.add_commits([(commit, body)])
+            crashpoint("before_ref")
+            self._write_ref(thread, commit.id)
+            crashpoint("after_ref")
+        return commit
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def read_object(self, oid: bytes) -> bytes:
+        """The verified plaintext of object ``oid`` (raises ObjectMissing/ChecksumMismatch)."""
+        loc = self.index.lookup(oid)
+        if loc is None:
+            raise ObjectMissing(f"object {oid.hex()} is not in the index")
+        path = pack_path(self.packs_dir, loc.pack)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise ObjectMissing(f"object {oid.hex()}: pack {loc.pack} is missing") from None
+        try:
+            payload = os.pread(fd, loc.length, loc.offset)
+        finally:
+            os.close(fd)
+        return decode_payload(payload, oid, loc.compression, loc.raw_length,
+                              f"object {oid.hex()} in pack {loc.pack}")
+
+    def get_tree(self, tree_id: str) -> list[TreeEntry]:
+        """The entries of a tree object."""
+        return decode_tree(self.read_object(bytes.fromhex(tree_id)))
+
+    def get_blob_chunks(self, blob_id: str) -> tuple[int, list[bytes]]:
+        """(size, chunk ids) of a blob object."""
+        return decode_blob(self.read_object(bytes.fromhex(blob_id)))
+
+    def read_blob(self, blob_id: str) -> bytes:
+        """The whole content of a blob (for small files; use checkout_dir for images)."""
+        size, chunks = self.get_blob_chunks(blob_id)
+        data = b"".join(self.read_object(c) for c in chunks)
+        if len(data) != size:
+            raise CorruptObject(f"blob {blob_id}: chunks hold {len(data)} bytes, not {size}")
+        return data
+
+    def get_commit(self, ref: str) -> Commit:
+        """The commit named by ``ref`` (id, unique prefix or thread), verified by hash."""
+        commit_id = self.resolve(ref)
+        return self._load_commit(commit_id)
+
+    def _load_commit(self, commit_id: str) -> Commit:
+        try:
+            body = self._commit_path(commit_id).read_bytes()
+        except FileNotFoundError:
+            raise ObjectMissing(f"commit {commit_id} is missing") from None
+        if hash_bytes(body).hex() != commit_id:
+            raise ChecksumMismatch(f"commit {commit_id}: checksum mismatch")
+        return decode_commit(commit_id, body)
+
+    def _commit_path(self, commit_id: str) -> Path:
+        return self.commits_dir / commit_id[:2] / commit_id
+
+    def resolve(self, ref: str) -> str:
+        """Full commit id for ``ref``: a full id, a thread name, or an id prefix (>= 8 hex).
+
+        Raises UnknownRef (no such commit/thread), AmbiguousRef (prefix matches several
+        commits) or InvalidRef (empty, or a hex prefix shorter than 8 digits).
+        """
+        if not isinstance(ref, str) or not ref:
+            raise InvalidRef("empty ref")
+        if is_hex_id(ref):
+            if self.index.has_commit(ref) or self._commit_path(ref).exists():
+                return ref
+            raise UnknownRef(f"no commit {ref}")
+        if _valid_thread_name(ref):
+            tip = self._read_ref(ref)
+            if tip is not None:
+                return tip
+        low = ref.lower()
+        if set(low) <= _HEX and len(low) < 64:
+            if len(low) < MIN_PREFIX:
+                raise InvalidRef(
+                    f"{ref!r} is neither a thread nor a usable id prefix "
+                    f"(prefixes need at least {MIN_PREFIX} hex digits)")
+            found = self.index.commits_with_prefix(low, limit=3)
+            if len(found) > 1:
+                raise AmbiguousRef(f"prefix {ref!r} matches several commits: "
+                                   + ", ".join(f[:12] for f in found))
+            if found:
+                return found[0]
+        raise UnknownRef(f"no thread or commit named {ref!r}")
+
+    def log(self, thread: str | None = None) -> list[Commit]:
+        """Commits newest first: every ancestor of ``thread``'s tip, or (None) all commits."""
+        if thread is None:
+            return [self._load_commit(c) for c in self.index.commit_ids()]
+        tip = self._read_ref(thread)
+        if tip is None:
+            raise UnknownRef(f"no thread {thread!r}")
+        seen: dict[str, Commit] = {}
+        stack = [tip]
+        while stack:
+            cid = stack.pop()
+            if cid in seen:
+                continue
+            c = self._load_commit(cid)
+            seen[cid] = c
+            stack.extend(p for p in c.parents if p not in seen)
+        return sorted(seen.values(), key=lambda c: (-c.created, c.id))
+
+    def find_commits(self, *, thread: str | None = None, **metadata_equals: Any) -> list[Commit]:
+        """Commits whose metadata has every given top-level key equal to the given value.
+
+        E.g. ``find_commits(notebook_path="a.ipynb", kernel_id="k1")``; ``thread`` narrows
+        to commits made on that thread. Newest first.
+        """
+        ids = self.index.find_commits(metadata_equals, thread)
+        return [self._load_commit(c) for c in ids]
+
+    # -- threads ---------------------------------------------------------------------------
+
+    def threads(self) -> dict[str, str]:
+        """Every thread name -> tip commit id."""
+        out: dict[str, str] = {}
+        for f in sorted(self.refs_dir.iterdir()):
+            if f.name.startswith("."):
+                continue
+            name = urllib.parse.unquote(f.name)
+            tip = self._read_ref(name)
+            if tip is not None:
+                out[name] = tip
+        return out
+
+    def set_thread(self, name: str, commit_id: str, *, expected: str | None = UNSET) -> None:
+        """Point thread ``name`` at ``commit_id`` (any ref); CAS against ``expected`` if given
+        (None = the thread must not exist yet). Raises RefConflict on mismatch."""
+        _check_thread_name(name)
+        # shared store lock: gc (exclusive) must not collect the target while we point at it
+        with FileLock(self.lock_path, shared=True, timeout=self.lock_timeout), \
+                FileLock(self.refs_lock_path, timeout=self.lock_timeout):
+            target = self.resolve(commit_id)
+            tip = self._read_ref(name)
+            if expected is not UNSET and tip != expected:
+                raise RefConflict(f"thread {name!r} is at {tip or 'nothing'}, "
+                                  f"expected {expected or 'nothing'}")
+            self._write_ref(name, target)
+
+    def delete_thread(self, name: str, *, expected: str | None = UNSET) -> None:
+        """Remove thread ``name`` (its commits stay until gc). CAS against ``expected``."""
+        _check_thread_name(name)
+        with FileLock(self.refs_lock_path, timeout=self.lock_timeout):
+            tip = self._read_ref(name)
+            if tip is None:
+                raise UnknownRef(f"no thread {name!r}")
+            if expected is not UNSET and tip != expected:
+                raise RefConflict(f"thread {name!r} is at {tip}, expected {expected}")
+            fsutil.unlink_durable(self._ref_path(name))
+
+    def _ref_path(self, name: str) -> Path:
+        return self.refs_dir / urllib.parse.quote(name, safe="")
+
+    def _read_ref(self, name: str) -> str | None:
+        try:
+            text = self._ref_path(name).read_text().strip()
+        except FileNotFoundError:
+            return None
+        if not is_hex_id(text):
+            raise CorruptObject(f"ref of thread {name!r} is damaged: {text[:80]!r}")
+        return text
+
+    def _write_ref(self, name: str, commit_id: str) -> None:
+        fsutil.atomic_write(self._ref_path(name), (commit_id + "\n").encode(),
+                            tmp_dir=self.tmp_dir)
+
+    # -- checkout --------------------------------------------------------------------------
+
+    def checkout_dir(self, ref: str, path: str | os.PathLike[str], *,
+                     threads: int | None = None) -> Commit:
+        """Materialize the tree of ``ref`` at ``path`` (absent or an empty directory).
+
+        Files get their recorded modes; runs of zero pages become holes. The tree is built
+        in a hidden sibling directory and renamed into place, so ``path`` never holds a
+        partial checkout.
+        """
+        commit = self.get_commit(ref)
+        target = Path(path)
+        if target.exists() and (not target.is_dir() or any(target.iterdir())):
+            raise CheckoutTargetNotEmpty(f"{target} exists and is not an empty directory")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.parent / f".{target.name}.checkout-{secrets.token_hex(4)}"
+        os.mkdir(tmp, 0o700)
+        from .checkout import Materializer
+        try:
+            with Materializer(self, threads=threads) as m:
+                m.tree(commit.tree, tmp)
+            if target.exists():
+                os.rmdir(target)
+            os.rename(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return commit
+
+    # -- maintenance -----------------------------------------------------------------------
+
+    def check(self, read_data: bool = False) -> CheckReport:
+        """Verify the store; see check.py. Returns a CheckReport (``.ok``, ``.problems``)."""
+        from .check import check
+        return check(self, read_data=read_data)
+
+    def gc(self, dry_run: bool = False) -> GcReport:
+        """Remove what no thread reaches; see gc.py. Returns a GcReport."""
+        from .gc import gc
+        return gc(self, dry_run=dry_run)
+
+    def rebuild_index(self) -> dict[str, int]:
+        """Rebuild the index from pack headers and commit files (exclusive lock)."""
+        from .check import rebuild_index
+        return rebuild_index(self)
+
+    def stats(self) -> dict[str, Any]:
+        """Sizes and counts: commits, threads, packs, objects, logical vs stored bytes."""
+        totals = self.index.object_totals()
+        packs = self.index.packs()
+        chunk = totals.get(CHUNK, (0, 0, 0))
+        logical = 0
+        for commit in self.log():
+            logical += int(commit.stats.get("image_bytes", 0))
+        pack_bytes = sum(s for s, _ in packs.values())
+        return {
+            "path": str(self.path),
+            "chunker": self.config.chunker.algorithm,
+            "commits": self.index.commit_count(),
+            "threads": len(self.threads()),
+            "packs": len(packs),
+            "pack_bytes": pack_bytes,
+            "chunks": chunk[0],
+            "chunk_bytes_raw": chunk[2],
+            "chunk_bytes_stored": chunk[1],
+            "trees": totals.get(TREE, (0, 0, 0))[0],
+            "blobs": totals.get(BLOB, (0, 0, 0))[0],
+            "logical_bytes": logical,
+            "dedup_ratio": round(logical / pack_bytes, 3) if pack_bytes else None,
+        }
+
+
+def _valid_thread_name(name: str) -> bool:
+    return (isinstance(name, str) and 0 < len(name) <= 200 and name.strip() == name
+            and not any(ord(ch) < 32 or ord(ch) == 127 for ch in name))
+
+
+def _check_thread_name(name: str) -> None:
+    if not _valid_thread_name(name):
+        raise InvalidRef(f"invalid thread name {name!r} (1-200 printable characters, "
+                         "no leading/trailing space)")
+
+
+__all__ = ["UNSET", "Dir", "Repository", "StoreConfig", "default_store_path"]
