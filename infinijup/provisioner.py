@@ -34,6 +34,7 @@ class InfinijupProvisioner(LocalProvisioner):
     tracked: TrackedProcess | None = None
     restoring: bool = False
     log_path: str | None = None
+    launches: int = 0  # +1 per launch: a restart gives the kernel a fresh state
 
     @property
     def has_process(self) -> bool:
@@ -62,6 +63,7 @@ class InfinijupProvisioner(LocalProvisioner):
             helper.spawn, list(cmd), dict(kwargs["env"]), cwd, self.log_path
         )
         self.attach(pid)
+        self.launches += 1
         self.cwd = cwd
         return self.connection_info
 

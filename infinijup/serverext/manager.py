@@ -68,6 +68,7 @@ class SnapshotManager(LoggingConfigurable):
         self.serverapp = serverapp
         self._repo: Repository | None = None
         self._heads: dict[str, Head] = {}
+        self._launches: dict[str, int] = {}  # kernel id -> provisioner launches at its head
         self._ops: dict[str, dict] = {}
         self._last: dict[str, dict] = {}  # kernel id -> the last finished operation
         self._tasks: set[asyncio.Task] = set()
@@ -107,7 +108,21 @@ class SnapshotManager(LoggingConfigurable):
         return f"kernel-{kernel_id}"
 
     def _head(self, kernel_id: str) -> Head:
-        return self._heads.get(kernel_id) or Head(commit=None, thread=DEFAULT_THREAD)
+        """Where the kernel is. After a restart its state comes from no commit: the next
+        snapshot continues its thread's history (the tip becomes its parent)."""
+        head = self._heads.get(kernel_id)
+        if head is None:
+            return Head(commit=None, thread=DEFAULT_THREAD)
+        km = self.kernel_manager.get_kernel(kernel_id) if kernel_id in \
+            self.kernel_manager.list_kernel_ids() else None
+        launches = getattr(getattr(km, "provisioner", None), "launches", None)
+        if launches is not None and launches != self._launches.get(kernel_id, launches):
+            return Head(commit=None, thread=head.thread or head.base_thread)
+        return head
+
+    def _set_head(self, kernel_id: str, head: Head, prov) -> None:
+        self._heads[kernel_id] = head
+        self._launches[kernel_id] = getattr(prov, "launches", 0)
 
     def _begin(self, kernel_id: str, op: str, path: str) -> dict:
         if kernel_id in self._ops:
@@ -176,8 +191,8 @@ class SnapshotManager(LoggingConfigurable):
                 if not from_kernel:
                     await self._resume(km, restored=False)
             commit = result.commit
-            self._heads[kernel_id] = Head(commit=commit.id, thread=plan.thread,
-                                          base_thread=plan.thread)
+            self._set_head(kernel_id, Head(commit=commit.id, thread=plan.thread,
+                                           base_thread=plan.thread), prov)
             self._emit(state, "done", 100, commit=commit.id, thread=plan.thread)
             return {
                 "commit": commit.id, "thread": plan.thread, "parents": list(commit.parents),
@@ -313,7 +328,7 @@ class SnapshotManager(LoggingConfigurable):
                                         expected=None)
                 threads[branch] = commit_id
             head = head_after_restore(commit_id, commit_thread, threads, branch)
-            self._heads[kernel_id] = head
+            self._set_head(kernel_id, head, prov)
             self._emit(state, "done", 100, commit=commit_id, thread=head.thread or "")
             return {"kernel_id": kernel_id, "commit": commit_id, "thread": head.thread,
                     "duration_s": time.perf_counter() - t0,
@@ -390,7 +405,8 @@ class SnapshotManager(LoggingConfigurable):
         if head.commit is not None:
             await asyncio.to_thread(self.repo().set_thread, store_thread(key, name),
                                     head.commit, expected=None)
-        self._heads[kernel_id] = Head(commit=head.commit, thread=name, base_thread=name)
+        self._set_head(kernel_id, Head(commit=head.commit, thread=name, base_thread=name),
+                       self._kernel(kernel_id).provisioner)
         return {"kernel_id": kernel_id, "thread": name, "commit": head.commit}
 
     async def history(self, kernel_id: str | None = None, path: str | None = None) -> dict:
@@ -410,9 +426,7 @@ class SnapshotManager(LoggingConfigurable):
             for c in repo.log(store_thread(key, name)):
                 commits.setdefault(c.id, c)
         ordered = sorted(commits.values(), key=lambda c: c.created, reverse=True)
-        head = self._heads.get(kernel_id) if kernel_id else None
-        if head is None:
-            head = Head(commit=None, thread=DEFAULT_THREAD)
+        head = self._head(kernel_id) if kernel_id else Head(commit=None, thread=DEFAULT_THREAD)
         return {
             "path": path,
             "commits": [self._commit_json(c) for c in ordered],

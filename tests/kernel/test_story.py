@@ -210,3 +210,20 @@ async def test_plain_kernels_are_refused_with_422(jp_fetch, jp_serverapp):
         assert json.loads(r.body)["managed"] is False
     finally:
         await jp_fetch("api", "kernels", kernel_id, method="DELETE", raise_error=False)
+
+
+async def test_history_and_restore_survive_a_kernel_restart(notebook):
+    nb = notebook
+    await nb.execute("kept = 'before restart'")
+    a = await nb.snapshot(message="before restart")
+    r = await nb.fetch("api", "kernels", nb.kernel_id, "restart", method="POST", body="{}")
+    assert r.code == 200
+    await nb.execute("fresh = True", timeout=60)
+    assert await nb.value("'kept' in globals()") is False
+    hist = await nb.history()
+    assert [c["id"] for c in hist["commits"]] == [a["commit"]]
+    assert hist["head"] == {"thread": "main", "commit": None}  # a fresh state, on main
+    b = await nb.snapshot(message="after restart")
+    assert b["thread"] == "main" and b["parents"] == [a["commit"]]
+    await nb.restore(a["commit"])
+    assert await nb.value("kept") == "before restart"
