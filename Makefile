@@ -19,7 +19,7 @@ TEST_SYSTEM_PACKAGES := chromium
 export INFINIJUP_CRIU := $(CRIU_PREFIX)/sbin/criu
 export INFINIJUP_PYCRIU := $(CRIU_PREFIX)/python
 
-.PHONY: lab test setup system-deps criu venv frontend helper helper-stop test-python test-frontend test-ui lint clean
+.PHONY: lab test setup system-deps criu venv frontend helper helper-stop test-python test-frontend test-ui bench-ui lint clean
 
 lab: setup helper
 	@echo "Starting JupyterLab with Infinijup on http://$(LAB_IP):$(LAB_PORT)/lab"
@@ -57,7 +57,7 @@ $(STAMPS)/venv: pyproject.toml
 # --- the JupyterLab extension (TypeScript) -----------------------------------------------
 frontend: $(STAMPS)/frontend
 $(STAMPS)/frontend: $(STAMPS)/venv package.json $(wildcard yarn.lock) $(shell find labextension -type f 2>/dev/null) tsconfig.json
-	PATH=$(abspath $(VENV))/bin:$$PATH $(JLPM) install
+	PATH=$(abspath $(VENV))/bin:$$PATH $(JLPM) install --immutable
 	PATH=$(abspath $(VENV))/bin:$$PATH $(JLPM) build:prod
 	@mkdir -p $(STAMPS) && touch $@
 
@@ -81,6 +81,8 @@ helper-stop:
 # --- tests -------------------------------------------------------------------------------
 lint: $(STAMPS)/install
 	$(VENV)/bin/ruff check infinijup infinijup_helper tests bench
+	PATH=$(abspath $(VENV))/bin:$$PATH $(JLPM) lint:check
+	PATH=$(abspath $(VENV))/bin:$$PATH $(JLPM) typecheck
 
 test-python: $(STAMPS)/install
 	$(VENV)/bin/pytest -q -p no:cacheprovider
@@ -88,10 +90,14 @@ test-python: $(STAMPS)/install
 test-frontend: $(STAMPS)/frontend
 	PATH=$(abspath $(VENV))/bin:$$PATH $(JLPM) test
 
+# The @backend UI tests talk to a real kernel through the helper started by `make helper`.
 test-ui: $(STAMPS)/install
-	@if [ -f ui-tests/package.json ]; then \
-	  cd ui-tests && PATH=$(abspath $(VENV))/bin:$$PATH $(abspath $(JLPM)) install && PATH=$(abspath $(VENV))/bin:$$PATH $(abspath $(JLPM)) playwright test; \
-	fi
+	cd ui-tests && PATH=$(abspath $(VENV))/bin:$$PATH $(abspath $(JLPM)) install --immutable
+	cd ui-tests && PATH=$(abspath $(VENV))/bin:$$PATH $(abspath $(JLPM)) test
+
+bench-ui: $(STAMPS)/install
+	cd ui-tests && PATH=$(abspath $(VENV))/bin:$$PATH $(abspath $(JLPM)) install --immutable
+	cd ui-tests && PATH=$(abspath $(VENV))/bin:$$PATH $(abspath $(JLPM)) bench
 
 clean:
 	rm -rf $(STAMPS) lib infinijup/labextension node_modules

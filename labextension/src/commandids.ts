@@ -1,0 +1,10 @@
+/** Command ids of the extension. */
+export namespace CommandIDs {
+  export const snapshot = 'infinijup:snapshot';
+  export const restore = 'infinijup:restore';
+  export const branch = 'infinijup:branch';
+  export const copyId = 'infinijup:copy-id';
+  export const showHistory = 'infinijup:show-history';
+  export const refresh = 'infinijup:refresh-history';
+  export const toggleCollapse = 'infinijup:toggle-collapse';
+}

@@ -1,0 +1,311 @@
+/**
+ * Infinijup for JupyterLab: Snapshot button, history graph panel, restore and
+ * branch with progress notifications.
+ */
+
+import {
+  ILayoutRestorer,
+  JupyterFrontEnd,
+  JupyterFrontEndPlugin
+} from '@jupyterlab/application';
+import {
+  Dialog,
+  ICommandPalette,
+  Notification,
+  showDialog
+} from '@jupyterlab/apputils';
+import { PathExt } from '@jupyterlab/coreutils';
+import { INotebookTracker } from '@jupyterlab/notebook';
+import { ISettingRegistry } from '@jupyterlab/settingregistry';
+import type { ReadonlyPartialJSONObject } from '@lumino/coreutils';
+
+import {
+  DEFAULT_SETTINGS,
+  IInfinijupSettings,
+  InfinijupActions,
+  sessionPath
+} from './actions';
+import { SnapshotButtonExtension } from './button';
+import { CommandIDs } from './commandids';
+import { shortId } from './format';
+import { branchIcon, historyIcon, restoreIcon, snapshotIcon } from './icons';
+import { ManagedKernels } from './kernels';
+import { HistoryModel } from './model';
+import { HistoryPanel } from './panel';
+import { INotifier, INotifyOptions, ProgressTracker } from './progress';
+import { InfinijupClient } from './request';
+import { parseOperationEvent } from './types';
+
+export { CommandIDs } from './commandids';
+export * from './types';
+export { layoutGraph } from './layout';
+export { HistoryModel } from './model';
+export { InfinijupClient, InfinijupRequestError, requestAPI } from './request';
+
+const PLUGIN_ID = 'infinijup:plugin';
+const CATEGORY = 'Infinijup';
+
+/** Notification options for JupyterLab: error details become an action. */
+function jlOptions(options: INotifyOptions = {}) {
+  const { details, ...rest } = options;
+  if (!details) {
+    return rest;
+  }
+  return {
+    ...rest,
+    actions: [
+      {
+        label: 'Details',
+        caption: 'Show the whole error',
+        callback: () => {
+          void showDialog({
+            title: details.title,
+            body: details.reason
+              ? `${details.message}\n\nReason: ${details.reason}`
+              : details.message,
+            buttons: [Dialog.okButton()]
+          });
+        }
+      }
+    ]
+  };
+}
+
+/** JupyterLab's Notification API as the tracker's notifier. */
+const notifier: INotifier = {
+  emit: (message, type, options) =>
+    Notification.emit(message, type, jlOptions(options)),
+  update: ({ id, message, type, ...options }) =>
+    Notification.update({ id, message, type, ...jlOptions(options) }),
+  dismiss: id => Notification.dismiss(id)
+};
+
+const plugin: JupyterFrontEndPlugin<void> = {
+  id: PLUGIN_ID,
+  description:
+    'Snapshot, restore and branch whole running kernels (Infinijup), with a history graph.',
+  autoStart: true,
+  requires: [INotebookTracker],
+  optional: [ISettingRegistry, ICommandPalette, ILayoutRestorer],
+  activate: (
+    app: JupyterFrontEnd,
+    tracker: INotebookTracker,
+    settingRegistry: ISettingRegistry | null,
+    palette: ICommandPalette | null,
+    restorer: ILayoutRestorer | null
+  ) => {
+    const { commands, serviceManager, shell } = app;
+    const api = new InfinijupClient(serviceManager.serverSettings);
+    const managed = new ManagedKernels(api);
+    let settings: IInfinijupSettings = { ...DEFAULT_SETTINGS };
+    let settingsObject: ISettingRegistry.ISettings | null = null;
+
+    const model = new HistoryModel({
+      api,
+      collapse: settings.collapseRuns,
+      minRun: settings.collapseMinRun
+    });
+
+    const kernelOfEvent = (kernelId: string, path: string) =>
+      tracker.find(
+        p =>
+          p.sessionContext.session?.kernel?.id === kernelId ||
+          (!!path && sessionPath(p) === path)
+      );
+    const progress = new ProgressTracker({
+      notifier,
+      isRelevant: ev => !!kernelOfEvent(ev.kernel_id, ev.path),
+      describe: ev => {
+        const panel = kernelOfEvent(ev.kernel_id, ev.path);
+        return PathExt.basename(panel?.context.path || ev.path || ev.kernel_id);
+      }
+    });
+
+    const actions = new InfinijupActions({
+      api,
+      tracker,
+      managed,
+      progress,
+      model,
+      settings: () => settings,
+      setSetting: async (key, value) => {
+        await settingsObject?.set(key, value);
+      }
+    });
+
+    // Live updates: snapshots from %snapshot, other tabs, progress phases.
+    const events = serviceManager.events;
+    if (events) {
+      events.stream.connect((_, emission) => {
+        const event = parseOperationEvent(emission);
+        if (!event) {
+          return;
+        }
+        actions.handleEvent(event);
+        model.handleEvent(event);
+        progress.handleEvent(event);
+      });
+    } else {
+      console.warn(
+        'Infinijup: no event manager; history updates need a refresh'
+      );
+    }
+
+    // The panel.
+    const panel = new HistoryPanel({ model, actions, commands });
+    shell.add(panel, 'right', { rank: 650, type: 'Kernel History' });
+    if (restorer) {
+      restorer.add(panel, 'infinijup-history');
+    }
+    const follow = () => {
+      panel.setNotebook(tracker.currentWidget);
+      commands.notifyCommandChanged();
+    };
+    tracker.currentChanged.connect(follow);
+    follow();
+
+    // The toolbar button.
+    app.docRegistry.addWidgetExtension(
+      'Notebook',
+      new SnapshotButtonExtension(commands, actions)
+    );
+
+    const refreshCommands = () => commands.notifyCommandChanged();
+    managed.changed.connect(refreshCommands);
+    actions.busyChanged.connect(refreshCommands);
+
+    /** The commit a command acts on. */
+    const commitArg = (args: ReadonlyPartialJSONObject): string | undefined => {
+      if (typeof args.commit === 'string' && args.commit) {
+        return args.commit;
+      }
+      if (args.fromContextMenu) {
+        const row = app.contextMenuHitTest(node => !!node.dataset?.commitId);
+        return row?.dataset.commitId ?? model.selected ?? undefined;
+      }
+      return undefined;
+    };
+
+    commands.addCommand(CommandIDs.snapshot, {
+      label: 'Snapshot Kernel',
+      caption: 'Save the whole state of the kernel (memory, GPU) as a commit',
+      icon: args => (args.isPalette ? undefined : snapshotIcon),
+      isEnabled: args => actions.canOperate(actions.notebook(args.notebookId)),
+      execute: async args => {
+        const message =
+          typeof args.message === 'string' ? args.message : undefined;
+        return actions.snapshot(actions.notebook(args.notebookId), { message });
+      }
+    });
+
+    commands.addCommand(CommandIDs.restore, {
+      label: args => {
+        const commit = commitArg(args);
+        return commit
+          ? `Restore ${shortId(commit)}`
+          : 'Restore Kernel Snapshot…';
+      },
+      caption: 'Replace the running kernel with a snapshot',
+      icon: args => (args.isPalette ? undefined : restoreIcon),
+      isEnabled: args => actions.canOperate(actions.notebook(args.notebookId)),
+      execute: args =>
+        actions.restore(actions.notebook(args.notebookId), commitArg(args))
+    });
+
+    commands.addCommand(CommandIDs.branch, {
+      label: args =>
+        commitArg(args) ? 'Branch from Here…' : 'Branch from Kernel Snapshot…',
+      caption: 'Restore a snapshot into a new thread',
+      icon: args => (args.isPalette ? undefined : branchIcon),
+      isEnabled: args => actions.canOperate(actions.notebook(args.notebookId)),
+      execute: args =>
+        actions.branch(
+          actions.notebook(args.notebookId),
+          commitArg(args),
+          typeof args.thread === 'string' ? args.thread : undefined
+        )
+    });
+
+    commands.addCommand(CommandIDs.copyId, {
+      label: 'Copy Snapshot Id',
+      caption: 'Copy the full commit id to the clipboard',
+      isEnabled: args => !!(commitArg(args) ?? model.selected),
+      execute: args => {
+        const id = commitArg(args) ?? model.selected;
+        if (id) {
+          actions.copyId(id);
+        }
+      }
+    });
+
+    commands.addCommand(CommandIDs.showHistory, {
+      label: 'Show Kernel History',
+      caption: 'Show the snapshot history of the current notebook',
+      icon: args => (args.isPalette ? undefined : historyIcon),
+      execute: () => {
+        shell.activateById(panel.id);
+      }
+    });
+
+    commands.addCommand(CommandIDs.refresh, {
+      label: 'Refresh Kernel History',
+      caption: 'Reload the snapshot history',
+      isEnabled: () => !!model.target,
+      execute: () => model.refresh()
+    });
+
+    commands.addCommand(CommandIDs.toggleCollapse, {
+      label: args =>
+        args.isPalette
+          ? 'Collapse Long Runs in Kernel History'
+          : 'Collapse runs',
+      caption: 'Collapse long linear runs of commits in the history graph',
+      isToggled: () => model.collapse,
+      execute: () => {
+        model.collapse = !model.collapse;
+        if (model.collapse) {
+          model.collapseAll();
+        }
+        commands.notifyCommandChanged(CommandIDs.toggleCollapse);
+      }
+    });
+
+    if (palette) {
+      for (const command of [
+        CommandIDs.snapshot,
+        CommandIDs.restore,
+        CommandIDs.branch,
+        CommandIDs.showHistory,
+        CommandIDs.refresh,
+        CommandIDs.toggleCollapse
+      ]) {
+        palette.addItem({
+          command,
+          category: CATEGORY,
+          args: { isPalette: true }
+        });
+      }
+    }
+
+    // Settings.
+    const applySettings = (s: ISettingRegistry.ISettings) => {
+      settings = { ...DEFAULT_SETTINGS, ...(s.composite as any) };
+      model.collapse = settings.collapseRuns;
+      model.minRun = settings.collapseMinRun;
+    };
+    if (settingRegistry) {
+      settingRegistry
+        .load(PLUGIN_ID)
+        .then(s => {
+          settingsObject = s;
+          applySettings(s);
+          s.changed.connect(applySettings);
+        })
+        .catch(reason => {
+          console.error('Infinijup: failed to load settings.', reason);
+        });
+    }
+  }
+};
+
+export default plugin;

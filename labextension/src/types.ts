@@ -1,0 +1,203 @@
+/**
+ * Types of the Infinijup server API (docs/api.md, v1).
+ *
+ * This module has no runtime dependencies so that the model, the graph layout
+ * and their tests can use it without pulling in JupyterLab.
+ */
+
+/** The kernelspec name of Infinijup kernels. */
+export const KERNELSPEC_NAME = 'infinijup';
+
+/** Schema id of the operation events on the jupyter_server event bus. */
+export const EVENT_SCHEMA_ID = 'https://events.infinijup.dev/operation';
+
+/** Statistics of one commit. */
+export interface ICommitStats {
+  /** Size of the CRIU image before deduplication, in bytes. */
+  image_bytes: number;
+  /** Bytes newly written to the content-addressed store by this commit. */
+  stored_bytes: number;
+  /** How long the kernel was paused, in seconds. */
+  pause_s: number;
+  /** Wall time of the whole operation, in seconds. */
+  duration_s: number;
+  /** Bytes of GPU memory saved (history only). */
+  gpu_bytes?: number;
+}
+
+/** One commit of a notebook's history. */
+export interface ICommit {
+  /** 64 hex digits. */
+  id: string;
+  /** Parent commit ids (empty for a root commit). */
+  parents: string[];
+  /** The thread (named branch) the commit was made on. */
+  thread: string;
+  message: string;
+  /** Creation time, seconds since the epoch. */
+  created: number;
+  /** Free-form metadata; `metadata.gpu` is present when the commit holds GPU state. */
+  metadata: { [key: string]: any };
+  stats: ICommitStats;
+}
+
+/** Where the kernel is now. */
+export interface IHead {
+  /** The thread the next snapshot goes to. */
+  thread: string;
+  /** The commit the kernel was last snapshotted or restored at (null if none yet). */
+  commit: string | null;
+}
+
+/** GET /infinijup/history */
+export interface IHistory {
+  /** Newest first. */
+  commits: ICommit[];
+  /** Thread name -> tip commit id. */
+  threads: { [name: string]: string };
+  head: IHead | null;
+}
+
+/** POST /infinijup/snapshot body. */
+export interface ISnapshotRequest {
+  kernel_id: string;
+  message?: string;
+  thread?: string;
+}
+
+/** POST /infinijup/snapshot reply (201). */
+export interface ISnapshotResult {
+  commit: string;
+  thread: string;
+  parents: string[];
+  stats: ICommitStats;
+}
+
+/** POST /infinijup/restore body. */
+export interface IRestoreRequest {
+  kernel_id: string;
+  /** A full id, a unique prefix of 8+ hex digits, or a thread name. */
+  commit: string;
+  /** Name of a new thread starting at `commit`. */
+  branch?: string;
+  /** Restore although the GPUs differ from the snapshot's (422 gpu_mismatch). */
+  force?: boolean;
+}
+
+/** POST /infinijup/restore reply (200). */
+export interface IRestoreResult {
+  kernel_id: string;
+  commit: string;
+  thread: string;
+  duration_s: number;
+}
+
+/** An operation in progress, as reported by GET /infinijup/status. */
+export interface IOperationStatus {
+  op: OperationKind;
+  phase: OperationPhase;
+  percent: number;
+}
+
+/** GET /infinijup/status reply. */
+export interface IKernelStatus {
+  kernel_id: string;
+  managed: boolean;
+  operation: IOperationStatus | null;
+}
+
+export type OperationKind = 'snapshot' | 'restore';
+
+export type OperationPhase =
+  | 'queued'
+  | 'quiesce'
+  | 'gpu'
+  | 'dump'
+  | 'store'
+  | 'commit'
+  | 'kill'
+  | 'restore'
+  | 'reconnect'
+  | 'done'
+  | 'error';
+
+/** One operation event (schema EVENT_SCHEMA_ID, version 1). */
+export interface IOperationEvent {
+  op: OperationKind;
+  op_id: string;
+  kernel_id: string;
+  path: string;
+  phase: OperationPhase;
+  percent: number;
+  message: string;
+  /** Present on `done`. */
+  commit?: string;
+  thread?: string;
+  /** Present on `error`. */
+  reason?: string;
+}
+
+/** The query of a history request: by kernel (preferred) or notebook path. */
+export interface IHistoryQuery {
+  kernel_id?: string;
+  path?: string;
+}
+
+/**
+ * The server API, as an interface so that models can be tested with fakes.
+ */
+export interface IInfinijupAPI {
+  snapshot(body: ISnapshotRequest): Promise<ISnapshotResult>;
+  restore(body: IRestoreRequest): Promise<IRestoreResult>;
+  history(query: IHistoryQuery): Promise<IHistory>;
+  status(kernelId: string): Promise<IKernelStatus>;
+}
+
+/** Human readable labels of the phases. */
+export const PHASE_LABELS: { [phase in OperationPhase]: string } = {
+  queued: 'Queued',
+  quiesce: 'Waiting for the kernel to be idle',
+  gpu: 'Saving GPU state',
+  dump: 'Dumping the process',
+  store: 'Storing the image',
+  commit: 'Committing',
+  kill: 'Stopping the current kernel',
+  restore: 'Restoring the process',
+  reconnect: 'Reconnecting the kernel',
+  done: 'Done',
+  error: 'Failed'
+};
+
+/**
+ * Parse an event-bus emission into an operation event, or null when it is not
+ * one (other schema, missing fields).
+ */
+export function parseOperationEvent(emission: {
+  [key: string]: any;
+}): IOperationEvent | null {
+  if (!emission || emission.schema_id !== EVENT_SCHEMA_ID) {
+    return null;
+  }
+  const { op, op_id, kernel_id, phase } = emission;
+  if (
+    (op !== 'snapshot' && op !== 'restore') ||
+    typeof op_id !== 'string' ||
+    typeof kernel_id !== 'string' ||
+    typeof phase !== 'string'
+  ) {
+    return null;
+  }
+  const percent = Number(emission.percent);
+  return {
+    op,
+    op_id,
+    kernel_id,
+    path: typeof emission.path === 'string' ? emission.path : '',
+    phase: phase as OperationPhase,
+    percent: Number.isFinite(percent) ? Math.max(0, Math.min(100, percent)) : 0,
+    message: typeof emission.message === 'string' ? emission.message : '',
+    commit: typeof emission.commit === 'string' ? emission.commit : undefined,
+    thread: typeof emission.thread === 'string' ? emission.thread : undefined,
+    reason: typeof emission.reason === 'string' ? emission.reason : undefined
+  };
+}

@@ -1,0 +1,371 @@
+/**
+ * End-to-end tests against a real JupyterLab with the Infinijup server
+ * extension and a real Infinijup kernel (kernelspec "infinijup", CRIU).
+ *
+ * Needs: `pip install -e .` of this repo (server extension, provisioner,
+ * kernelspec, labextension), CRIU and the helper daemon (scripts/setup-criu.sh),
+ * Debian's chromium. Every test first checks GET /infinijup/status for its
+ * kernel: without the backend they fail there, they never pass vacuously.
+ */
+
+import {
+  expect,
+  galata,
+  IJupyterLabPageFixture,
+  test
+} from '@jupyterlab/galata';
+
+import { execute, openHistory, toasts, waitForKernelIdle } from './helpers';
+
+/** Distinguishes this run's notebooks from those of earlier runs. */
+const RUN = Date.now().toString(36);
+
+/** CRIU dumps and restores take seconds, more on a busy machine. */
+const OP_TIMEOUT = 90_000;
+
+test.use({
+  mockSettings: {
+    ...galata.DEFAULT_SETTINGS,
+    // Ask nothing on snapshot; keep the restore confirmation (tested).
+    'infinijup:plugin': { askMessage: false, confirmRestore: true }
+  }
+});
+
+/**
+ * Create a notebook on the Infinijup kernel; check the backend manages it.
+ *
+ * History belongs to the kernel's session path and outlives the server, so
+ * each run uses fresh names (`<stem>-<run>.ipynb`). The file is written with
+ * its kernelspec and then opened (galata's createNew renames an Untitled
+ * notebook through the contents API, which leaves the server's session at
+ * Untitled.ipynb, a path earlier runs used too).
+ */
+async function infinijupNotebook(
+  page: IJupyterLabPageFixture,
+  tmpPath: string,
+  stem: string
+): Promise<{ kernelId: string; name: string }> {
+  const specs = await (await page.request.get('/api/kernelspecs')).json();
+  expect(
+    Object.keys(specs.kernelspecs),
+    'the "infinijup" kernelspec must be installed (pip install -e . installs it)'
+  ).toContain('infinijup');
+  const name = `${stem}-${RUN}.ipynb`;
+  const path = `${tmpPath}/${name}`;
+  const put = await page.request.put(`/api/contents/${path}`, {
+    data: {
+      type: 'notebook',
+      format: 'json',
+      content: {
+        nbformat: 4,
+        nbformat_minor: 5,
+        metadata: {
+          kernelspec: {
+            name: 'infinijup',
+            display_name: 'Python 3 (Infinijup)',
+            language: 'python'
+          }
+        },
+        cells: [
+          {
+            cell_type: 'code',
+            source: '',
+            metadata: {},
+            outputs: [],
+            execution_count: null,
+            id: 'c0'
+          }
+        ]
+      }
+    }
+  });
+  expect(put.status()).toBeLessThan(300);
+  await page.filebrowser.refresh();
+  expect(await page.notebook.openByPath(path)).toBe(true);
+  await page.notebook.activate(name);
+  const kernelId = await page.evaluate(async () => {
+    const widget = (window as any).jupyterapp.shell.currentWidget;
+    await widget.sessionContext.ready;
+    for (let i = 0; i < 120 && !widget.sessionContext.session?.kernel; i++) {
+      await new Promise(resolve => setTimeout(resolve, 500));
+    }
+    return (widget.sessionContext.session?.kernel?.id as string) ?? null;
+  });
+  expect(
+    kernelId,
+    'the Infinijup kernel did not start (see the server log)'
+  ).not.toBeNull();
+  await waitForKernelIdle(page);
+  const response = await page.request.get(
+    `/infinijup/status?kernel_id=${kernelId}`
+  );
+  expect(
+    response.status(),
+    'GET /infinijup/status must answer 200: is the infinijup server extension installed (pip install -e .) and enabled?'
+  ).toBe(200);
+  const status = await response.json();
+  expect(
+    status.managed,
+    'the "infinijup" kernel must run under the Infinijup provisioner'
+  ).toBe(true);
+  return { kernelId: kernelId!, name };
+}
+
+/** Run code in a new cell at the end and return its text output. */
+async function run(
+  page: IJupyterLabPageFixture,
+  code: string
+): Promise<string> {
+  const count = await page.notebook.getCellCount();
+  const last = count - 1;
+  const lastText = await page.notebook.getCellTextInput(last);
+  let index = last;
+  if (lastText.trim() === '') {
+    await page.notebook.setCell(last, 'code', code);
+  } else {
+    await page.notebook.addCell('code', code);
+    index = count;
+  }
+  await page.notebook.runCell(index, true);
+  return ((await page.notebook.getCellTextOutput(index)) ?? []).join('').trim();
+}
+
+/** Click the toolbar's Snapshot button; return the new commit's short id. */
+async function snapshot(
+  page: IJupyterLabPageFixture,
+  thread = 'main'
+): Promise<string> {
+  const response = page.waitForResponse(
+    r =>
+      /\/infinijup\/snapshot/.test(r.url()) && r.request().method() === 'POST',
+    { timeout: OP_TIMEOUT }
+  );
+  await page
+    .locator(
+      '.jp-NotebookPanel:not(.lm-mod-hidden) [data-jp-item-name="infinijup-snapshot"]'
+    )
+    .click();
+  const reply = await response;
+  const body = await reply.json();
+  expect(reply.status(), JSON.stringify(body)).toBe(201);
+  expect(body.thread).toBe(thread);
+  const short = (body.commit as string).slice(0, 8);
+  await expect(
+    toasts(page).filter({ hasText: `Snapshot ${short} saved on ${thread}` })
+  ).toBeVisible();
+  return short;
+}
+
+/** The current notebook's path (server-relative). */
+async function notebookPath(page: IJupyterLabPageFixture): Promise<string> {
+  return page.evaluate(
+    () => (window as any).jupyterapp.shell.currentWidget.context.path as string
+  );
+}
+
+function row(page: IJupyterLabPageFixture, shortId: string) {
+  return page.locator(
+    `#infinijup-history .jp-Infinijup-row[data-commit-id^="${shortId}"]`
+  );
+}
+
+test.describe('Infinijup end to end @backend', () => {
+  test('snapshot, change a variable, restore from the panel: the old value is back', async ({
+    page,
+    tmpPath
+  }, testInfo) => {
+    const { kernelId } = await infinijupNotebook(page, tmpPath, 'restore');
+    await expect
+      .poll(() =>
+        page
+          .locator(
+            '.jp-NotebookPanel:not(.lm-mod-hidden) [data-jp-item-name="infinijup-snapshot"]'
+          )
+          .isVisible()
+      )
+      .toBe(true);
+    expect(await run(page, 'x = 41\nx')).toBe('41');
+
+    const first = await snapshot(page);
+    await openHistory(page);
+    await expect(row(page, first)).toHaveClass(/jp-mod-head/);
+    await expect(
+      row(page, first).locator('.jp-Infinijup-chip-thread')
+    ).toHaveText('main');
+
+    expect(await run(page, 'x = 99\nx')).toBe('99');
+
+    await row(page, first).click();
+    await page
+      .locator('.jp-Infinijup-details')
+      .getByRole('button', { name: 'Restore' })
+      .click();
+    await page
+      .locator('.jp-Dialog')
+      .getByRole('button', { name: 'Restore' })
+      .click();
+    await expect(
+      toasts(page).filter({ hasText: `Restored ${first}` })
+    ).toBeVisible({
+      timeout: OP_TIMEOUT
+    });
+
+    // Same kernel id, no reload, the kernel answers and is idle.
+    const after = await page.evaluate(() => {
+      const widget = (window as any).jupyterapp.shell.currentWidget;
+      const kernel = widget.sessionContext.session.kernel;
+      return {
+        id: kernel.id,
+        status: kernel.status,
+        connection: kernel.connectionStatus
+      };
+    });
+    expect(after).toEqual({
+      id: kernelId,
+      status: 'idle',
+      connection: 'connected'
+    });
+    await expect(
+      page
+        .locator('.jp-Notebook-ExecutionIndicator, [data-status="idle"]')
+        .first()
+    ).toBeAttached();
+
+    expect(await run(page, 'print(x)')).toBe('41');
+
+    const shot = testInfo.outputPath('history-panel-after-restore.png');
+    await page.locator('#infinijup-history').screenshot({ path: shot });
+    await testInfo.attach('history-panel-after-restore', {
+      path: shot,
+      contentType: 'image/png'
+    });
+  });
+
+  test('branch: a new thread starts at an old snapshot and gets the next one', async ({
+    page,
+    tmpPath
+  }, testInfo) => {
+    await infinijupNotebook(page, tmpPath, 'branch');
+    expect(await run(page, 'x = 1\nx')).toBe('1');
+    const a = await snapshot(page);
+    expect(await run(page, 'x = 2\nx')).toBe('2');
+    const b = await snapshot(page);
+    await openHistory(page);
+    await expect(
+      page.locator('#infinijup-history .jp-Infinijup-row')
+    ).toHaveCount(2);
+    await expect(row(page, b)).toHaveClass(/jp-mod-head/);
+
+    // Branch from the first snapshot, from its row.
+    await row(page, a).click();
+    await page
+      .locator('.jp-Infinijup-details')
+      .getByRole('button', { name: 'Branch from here' })
+      .click();
+    await page.locator('.jp-Dialog input').fill('exp');
+    await page
+      .locator('.jp-Dialog')
+      .getByRole('button', { name: 'Next' })
+      .click();
+    await page
+      .locator('.jp-Dialog')
+      .getByRole('button', { name: 'Branch' })
+      .click();
+    await expect(
+      toasts(page).filter({ hasText: 'into new thread exp' })
+    ).toBeVisible({
+      timeout: OP_TIMEOUT
+    });
+    await expect(row(page, a)).toHaveClass(/jp-mod-head/);
+    await expect(
+      page.locator('#infinijup-history .jp-Infinijup-summary')
+    ).toContainText('next snapshot on exp');
+    expect(await run(page, 'print(x)')).toBe('1');
+
+    expect(await run(page, 'x = 3\nx')).toBe('3');
+    const c = await snapshot(page, 'exp');
+    await expect(
+      page.locator('#infinijup-history .jp-Infinijup-row')
+    ).toHaveCount(3);
+    await expect(row(page, c)).toHaveClass(/jp-mod-head/);
+    await expect(row(page, c).locator('.jp-Infinijup-chip-thread')).toHaveText(
+      'exp'
+    );
+    // Two lanes: main (a, b) and exp (c), joined at a.
+    const lanes = await page.evaluate(() =>
+      Array.from(
+        document.querySelectorAll(
+          '#infinijup-history .jp-Infinijup-row circle, #infinijup-history .jp-Infinijup-row rect'
+        )
+      ).map(n =>
+        Number(n.getAttribute('cx') ?? Number(n.getAttribute('x')) + 4.5)
+      )
+    );
+    expect(new Set(lanes).size).toBe(2);
+
+    const history = await (
+      await page.request.get(
+        `/infinijup/history?path=${encodeURIComponent(await notebookPath(page))}`
+      )
+    ).json();
+    const commitC = history.commits.find((x: any) => x.id.startsWith(c));
+    expect(commitC.thread).toBe('exp');
+    expect(commitC.parents[0].startsWith(a)).toBe(true);
+
+    const shot = testInfo.outputPath('history-panel-branch.png');
+    await page.locator('#infinijup-history').screenshot({ path: shot });
+    await testInfo.attach('history-panel-branch', {
+      path: shot,
+      contentType: 'image/png'
+    });
+  });
+
+  test("restoring an unknown commit shows the server's error", async ({
+    page,
+    tmpPath
+  }) => {
+    const { name } = await infinijupNotebook(page, tmpPath, 'unknown');
+    expect(await run(page, 'y = 7\ny')).toBe('7');
+    const response = page.waitForResponse(r =>
+      /\/infinijup\/restore/.test(r.url())
+    );
+    await execute(page, 'infinijup:restore', { commit: 'deadbeefdeadbeef' });
+    await page
+      .locator('.jp-Dialog')
+      .getByRole('button', { name: 'Restore' })
+      .click();
+    const reply = await response;
+    expect(reply.status()).toBe(404);
+    const body = await reply.json();
+    expect(typeof body.reason).toBe('string');
+    const toast = toasts(page).filter({
+      hasText: `Restore of ${name} failed`
+    });
+    await expect(toast).toBeVisible();
+    await expect(toast).toContainText(`(${body.reason})`);
+    // The kernel was not touched.
+    expect(await run(page, 'print(y)')).toBe('7');
+  });
+
+  test('snapshots from %snapshot and the shortcut appear in the panel live', async ({
+    page,
+    tmpPath
+  }) => {
+    await infinijupNotebook(page, tmpPath, 'live');
+    await openHistory(page);
+    const rows = page.locator('#infinijup-history .jp-Infinijup-row');
+    await expect(
+      page.locator('#infinijup-history .jp-Infinijup-empty')
+    ).toBeVisible();
+
+    // The magic: the server's events update the panel, no refresh.
+    await run(page, 'z = 5\n%snapshot');
+    await expect(rows).toHaveCount(1, { timeout: OP_TIMEOUT });
+
+    // The keyboard shortcut (Accel Alt S) in command mode.
+    await page.notebook.selectCells(0);
+    await page.keyboard.press('Escape');
+    await page.keyboard.press('Control+Alt+s');
+    await expect(rows).toHaveCount(2, { timeout: OP_TIMEOUT });
+  });
+});
