@@ -31,6 +31,7 @@ from .checkpoint import (
     terminate_tree,
 )
 from .criu import Criu
+from .cuda_stage import CudaResumeAfterDump, CudaResumeRestored, CudaSuspend, resume_tree
 from .paths import WorkDirs, check_target_free, remove_entry
 from .proc import (
     CAP_SYS_RESOURCE,
@@ -44,7 +45,6 @@ from .protocol import RequestError
 from .reaper import Reaper
 from .seal import Sealer
 from .spawn import SpawnFailed, SpawnSpec, spawn_tree
-from .cuda_stage import CudaResumeAfterDump, CudaResumeRestored, CudaSuspend, resume_tree
 from .stages import Progress, Stage, run_stages
 
 Result = Mapping[str, Any]

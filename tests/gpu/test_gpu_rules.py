@@ -46,7 +46,8 @@ def test_fingerprint_round_trips_json():
     assert Fingerprint.from_json(f.to_json()) == f
 
 
-def report(*procs, gpus=(gpu(0),), drv="580.159.04"):
+def report(*procs, gpus=None, drv="580.159.04"):
+    gpus = gpus if gpus is not None else (gpu(0),)
     return GpuReport(fingerprint=fp(*gpus, drv=drv), processes=tuple(procs))
 
 
