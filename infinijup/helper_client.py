@@ -124,10 +124,12 @@ class HelperClient:
         images_dir: str,
         replace_pid: int | None = None,
         on_progress: ProgressCallback | None = None,
+        gpu_map: Sequence[tuple[str, str]] = (),
     ) -> RestoreResult:
-        r = self.call(
-            "restore", {"images_dir": images_dir, "replace_pid": replace_pid}, on_progress
-        )
+        args: dict[str, Any] = {"images_dir": images_dir, "replace_pid": replace_pid}
+        if gpu_map:
+            args["gpu_map"] = [list(p) for p in gpu_map]
+        r = self.call("restore", args, on_progress)
         return RestoreResult(int(r["pid"]), r["duration_s"], dict(r["phases"]), r.get("gpu"))
 
     def gpu(self, pid: int, action: str) -> dict[str, Any]:

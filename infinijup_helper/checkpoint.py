@@ -19,7 +19,7 @@ import stat
 import time
 from dataclasses import dataclass, field
 
-from .criu import Criu, check_creds, image_names, private_page_files
+from .criu import Criu, check_creds, check_page_files, image_names, private_page_files
 from .paths import Staging, WorkDirs
 from .proc import Caller, read_proc, tree_members
 from .protocol import RequestError
@@ -177,6 +177,7 @@ class RestoreJob:
     replace_pidfd: int | None = None
     pid: int | None = None
     staged: list[str] = field(default_factory=list)
+    gpu_map: tuple[tuple[str, str], ...] = ()
 
 
 def _copy_checked(src: int, dst_dir: int, name: str, expect: FileSeal | None) -> None:
@@ -274,6 +275,7 @@ class StageImages(StageBase):
             finally:
                 os.close(fd)
             job.staged.append(name)
+        check_page_files(self.criu, job.staging.fd)  # before the kill stage: refuse early
         if not trusted:
             check_creds(self.criu, job.staging.fd, job.caller.uid, job.allowed_gids)
 

@@ -156,9 +156,10 @@ class CudaResumeRestored(StageBase):
         if not pids:
             return
         t0 = time.monotonic()
+        gpu_map = tuple(getattr(ctx, "gpu_map", ()) or ())
         try:
             for pid in pids:
-                driver.resume(pid)
+                driver.resume(pid, gpu_map)
         except BaseException:
             # A restored tree whose GPU state cannot come back is of no use: end it, so the
             # caller sees a clean failure rather than a kernel stuck CHECKPOINTED.

@@ -263,6 +263,7 @@ class Operations:
                 staging=staging,
                 replace_pid=args.replace_pid,
                 replace_pidfd=pidfd,
+                gpu_map=args.gpu_map,
             )
             stages = self.restore_stages()
             phases = run_stages(stages, job, progress)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import signal
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -71,6 +72,7 @@ class DumpArgs:
 class RestoreArgs:
     images_dir: str
     replace_pid: int | None = None
+    gpu_map: tuple[tuple[str, str], ...] = ()  # (saved GPU UUID, GPU UUID to restore onto)
 
 
 @dataclass(frozen=True)
@@ -188,6 +190,21 @@ def _path(name: str, value: Any) -> str:
     return _check_text(name, value, MAX_PATH_CHARS)
 
 
+_GPU_UUID = re.compile(r"^GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$")
+
+
+def _gpu_map(name: str, value: Any) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, list) or len(value) > 64:
+        raise _fail(name, "a list of at most 64 [saved GPU UUID, target GPU UUID] pairs")
+    pairs = []
+    for pair in value:
+        if (not isinstance(pair, list) or len(pair) != 2
+                or not all(isinstance(u, str) and _GPU_UUID.match(u) for u in pair)):
+            raise _fail(name, "pairs of GPU UUIDs like GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx")
+        pairs.append((pair[0], pair[1]))
+    return tuple(pairs)
+
+
 def _argv(name: str, value: Any) -> tuple[str, ...]:
     if not isinstance(value, list) or not value or len(value) > MAX_ARGV_ITEMS:
         raise _fail(name, f"a non-empty list of at most {MAX_ARGV_ITEMS} strings")
@@ -237,7 +254,11 @@ ARG_SPECS: dict[str, tuple[type, dict[str, tuple[Validator, Any]]]] = {
     ),
     "restore": (
         RestoreArgs,
-        {"images_dir": (_path, _REQUIRED), "replace_pid": (_optional_pid, None)},
+        {
+            "images_dir": (_path, _REQUIRED),
+            "replace_pid": (_optional_pid, None),
+            "gpu_map": (_gpu_map, ()),
+        },
     ),
     "kill": (KillArgs, {"pid": (_pid, _REQUIRED)}),
     "release": (ReleaseArgs, {"path": (_path, _REQUIRED)}),

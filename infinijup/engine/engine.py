@@ -8,6 +8,9 @@ does the helper replace the kernel with the restored tree.
 
 from __future__ import annotations
 
+import errno
+import os
+import re
 import shutil
 import time
 import uuid
@@ -16,8 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import InfinijupError, RestoreFailed, SnapshotFailed
+from ..process import start_time
 
 Progress = Callable[[str, dict], None]
+_TAGGED = re.compile(r"^(\d+)\.(\d+)\.[0-9a-f]{32}$")  # <pid>.<start time>.<uuid>
 
 
 def _no_progress(phase: str, detail: dict) -> None:
@@ -55,9 +60,23 @@ class SnapshotEngine:
         return self._work_dir
 
     def _new_dir(self, kind: str) -> Path:
+        """A fresh directory name under ``<work>/<kind>``, tagged with this process (pid and
+        start time), after removing those left by processes that are gone: a server killed
+        mid-operation must not leave hundreds of MiB of images behind for ever."""
         parent = self.work_dir() / kind
         parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        return parent / uuid.uuid4().hex
+        self._sweep(parent)
+        return parent / f"{os.getpid()}.{start_time(os.getpid())}.{uuid.uuid4().hex}"
+
+    def _sweep(self, parent: Path) -> None:
+        try:
+            entries = os.listdir(parent)
+        except OSError:
+            return
+        for name in entries:
+            match = _TAGGED.match(name)
+            if match and start_time(int(match[1])) != int(match[2]):
+                self._discard(parent / name)
 
     def _discard(self, path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
@@ -99,6 +118,14 @@ class SnapshotEngine:
             )
         except InfinijupError:
             raise
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise SnapshotFailed(
+                    f"snapshot failed: the store's filesystem is full ({exc.strerror}; store "
+                    f"{getattr(self.repo, 'path', '?')}): free space, or delete threads you no "
+                    "longer need and run `infinijup store gc`; the kernel was left running",
+                    reason="no_space") from exc
+            raise SnapshotFailed(f"snapshot failed: {exc}") from exc
         except Exception as exc:
             raise SnapshotFailed(f"snapshot failed: {exc}") from exc
         finally:
@@ -127,20 +154,50 @@ class SnapshotEngine:
         target = self._new_dir("restore")
         try:
             self.repo.checkout_dir(commit_id, target)
+        except InfinijupError as exc:
+            self._discard(target)
+            # A commit that resolved but cannot be read back (a damaged or missing pack) is
+            # a failed restore (500), not an unknown commit; the kernel was not touched.
+            raise RestoreFailed(f"restore failed: the snapshot's images cannot be read from "
+                                f"the store ({exc.message}); the kernel was not touched; "
+                                "`infinijup store check --read-data` names the damage",
+                                reason=exc.reason) from exc
+        except OSError as exc:
+            self._discard(target)
+            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            raise RestoreFailed(f"restore failed: cannot check the snapshot out into "
+                                f"{target.parent}: {exc.strerror or exc}; the kernel was not "
+                                "touched", reason="no_space" if full else "checkout_failed") from exc
         except BaseException:
             self._discard(target)
             raise
         return target
 
     def restore(self, images: Path, replace_pid: int | None,
-                on_progress: Progress = _no_progress) -> RestoreResult:
-        """Replace the tree at ``replace_pid`` with the one in ``images``; remove ``images``."""
+                on_progress: Progress = _no_progress,
+                gpu_map: tuple[tuple[str, str], ...] = ()) -> RestoreResult:
+        """Replace the tree at ``replace_pid`` with the one in ``images``; remove ``images``.
+
+        ``gpu_map`` pairs (saved GPU UUID, GPU UUID here) move GPU state onto other GPUs.
+        """
         t0 = time.perf_counter()
+        started: list[str] = []
+
+        def progress(phase: str, detail: dict) -> None:
+            if detail.get("state") == "started":
+                started.append(phase)
+            on_progress(phase, detail)
+
         try:
             result = self.helper.restore(str(images), replace_pid=replace_pid,
-                                         on_progress=lambda ph, d: on_progress(ph, d))
+                                         on_progress=progress, gpu_map=gpu_map)
         except InfinijupError as exc:
-            raise RestoreFailed(f"restore failed: {exc}", reason=getattr(exc, "reason", None)) from exc
+            failed = RestoreFailed(f"restore failed: {exc}", reason=getattr(exc, "reason", None))
+            # The helper vanished while CRIU was restoring: CRIU (its child) may still finish,
+            # leaving a restored tree that nobody was told about (see orphans.py).
+            failed.tree_may_exist = (getattr(exc, "reason", None) == "helper_disconnected"
+                                     and "restore" in started)
+            raise failed from exc
         finally:
             self._discard(images)
         return RestoreResult(pid=result.pid, duration_s=time.perf_counter() - t0,

@@ -92,9 +92,29 @@ def checkpoint(pid: int) -> None:
     _check(drv.cuCheckpointProcessCheckpoint(pid, None), "CUDA checkpoint", pid)
 
 
-def restore(pid: int) -> None:
+def _uuid(drv, text: str):
+    """NVML's ``GPU-xxxxxxxx-xxxx-...`` as the driver's CUuuid."""
+    u = drv.CUuuid()
+    u.bytes = bytes.fromhex(text.removeprefix("GPU-").replace("-", ""))
+    return u
+
+
+def restore(pid: int, gpu_map: tuple[tuple[str, str], ...] = ()) -> None:
+    """Bring a checkpointed process back onto GPUs. ``gpu_map`` pairs (saved UUID, target
+    UUID) remap its devices: the driver's migration onto other GPUs of the same model."""
     drv = _driver()
-    _check(drv.cuCheckpointProcessRestore(pid, None), "CUDA restore", pid)
+    args = None
+    if gpu_map:
+        args = drv.CUcheckpointRestoreArgs()
+        pairs = []
+        for old, new in gpu_map:
+            pair = drv.CUcheckpointGpuPair()
+            pair.oldUuid = _uuid(drv, old)
+            pair.newUuid = _uuid(drv, new)
+            pairs.append(pair)
+        args.gpuPairs = pairs
+        args.gpuPairsCount = len(pairs)
+    _check(drv.cuCheckpointProcessRestore(pid, args), "CUDA restore", pid)
 
 
 def unlock(pid: int) -> None:
@@ -112,11 +132,11 @@ def suspend(pid: int, timeout_ms: int) -> None:
         raise
 
 
-def resume(pid: int) -> None:
+def resume(pid: int, gpu_map: tuple[tuple[str, str], ...] = ()) -> None:
     """Bring a process back to RUNNING from whatever checkpoint state it is in."""
     st = state(pid)
     if st is CudaState.CHECKPOINTED:
-        restore(pid)
+        restore(pid, gpu_map)
         st = CudaState.LOCKED
     if st is CudaState.LOCKED:
         unlock(pid)

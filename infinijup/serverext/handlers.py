@@ -102,7 +102,14 @@ class RestoreHandler(InfinijupHandler):
         if body.get("from_kernel"):
             return await self.call(self.manager.restore_for_kernel(kernel_id, ref, branch), status=202)
         force = bool(body.get("force", False))
-        await self.call(self.manager.restore(kernel_id, ref, branch=branch, force=force))
+        gpu_map = body.get("gpu_map")
+        if gpu_map is not None and not (
+            isinstance(gpu_map, dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in gpu_map.items())
+        ):
+            return await self.call(_raise(BadRequest("'gpu_map' must map GPU UUIDs to GPU UUIDs")))
+        await self.call(self.manager.restore(kernel_id, ref, branch=branch, force=force,
+                                             gpu_map=gpu_map))
 
 
 class BranchHandler(InfinijupHandler):

@@ -21,7 +21,6 @@ from .. import __version__, config
 from ..engine import Head, SnapshotEngine, plan_snapshot
 from ..engine.heads import head_after_restore
 from ..engine.kernel_channel import run_agent, wait_answering
-from ..engine.reconnect import connections_to, wait_reconnected
 from ..engine.naming import (
     DEFAULT_THREAD,
     check_thread_name,
@@ -29,6 +28,8 @@ from ..engine.naming import (
     notebook_threads,
     store_thread,
 )
+from ..engine.orphans import find_restored_tree
+from ..engine.reconnect import connections_to, wait_reconnected
 from ..errors import (
     BadRequest,
     Conflict,
@@ -37,7 +38,7 @@ from ..errors import (
     PreflightRefused,
     RestoreFailed,
 )
-from ..gpu.restore_rules import check_gpu_fingerprint
+from ..gpu.restore_rules import plan_gpu_restore
 from ..helper_client import HelperClient
 from ..kernel_magics import agent
 from ..provisioner import InfinijupProvisioner
@@ -283,7 +284,8 @@ class SnapshotManager(LoggingConfigurable):
         return repo.resolve(ref)
 
     async def restore(self, kernel_id: str, ref: str, *, branch: str | None = None,
-                      wait_idle: bool = False, force: bool = False) -> dict:
+                      wait_idle: bool = False, force: bool = False,
+                      gpu_map: dict[str, str] | None = None) -> dict:
         km = self._kernel(kernel_id)
         prov = self._provisioner(km)
         path = await self._path(kernel_id)
@@ -297,8 +299,8 @@ class SnapshotManager(LoggingConfigurable):
         if branch is not None and branch in threads:
             raise Conflict(f"thread '{branch}' already exists", reason="thread_exists")
         self._check_connection(km, commit)
-        if not force:
-            await asyncio.to_thread(check_gpu_fingerprint, commit.metadata or {})
+        gpu_pairs = await asyncio.to_thread(plan_gpu_restore, commit.metadata or {},
+                                            force=force, requested=gpu_map)
         state = self._begin(kernel_id, "restore", path)
         t0 = time.perf_counter()
         try:
@@ -313,14 +315,25 @@ class SnapshotManager(LoggingConfigurable):
             prov.restoring = True
             try:
                 result = await asyncio.to_thread(engine.restore, images, prov.root_pid,
-                                                 self._progress(state))
+                                                 self._progress(state), gpu_pairs)
+                pid, phases = result.pid, dict(result.phases)
             except RestoreFailed as exc:
-                await self._recover(km, prov, exc)
-                raise
-            prov.attach(result.pid)
+                pid = await self._find_orphan(km, prov, exc)
+                if pid is None:
+                    await self._recover(km, prov, exc)
+                    raise
+                phases = {"adopted": True}
+            prov.attach(pid)
             self._emit(state, "reconnect", 85)
             reconnect_s = await wait_reconnected(connected, self.answer_timeout)
-            answer_s = await wait_answering(km, self.answer_timeout)
+            try:
+                answer_s = await wait_answering(km, self.answer_timeout)
+            except RestoreFailed as exc:
+                if not phases.get("adopted"):
+                    raise
+                await prov.kill()
+                await self._recover(km, prov, exc)
+                raise
             await self._resume(km, restored=True)
             commit_thread = (commit.metadata or {}).get("thread", DEFAULT_THREAD)
             if branch is not None:
@@ -332,8 +345,7 @@ class SnapshotManager(LoggingConfigurable):
             self._emit(state, "done", 100, commit=commit_id, thread=head.thread or "")
             return {"kernel_id": kernel_id, "commit": commit_id, "thread": head.thread,
                     "duration_s": time.perf_counter() - t0,
-                    "phases": {**result.phases, "reconnect_s": reconnect_s,
-                               "answer_s": answer_s}}
+                    "phases": {**phases, "reconnect_s": reconnect_s, "answer_s": answer_s}}
         except InfinijupError as exc:
             self._emit(state, "error", 100, message=exc.message, reason=exc.reason)
             raise
@@ -360,6 +372,24 @@ class SnapshotManager(LoggingConfigurable):
                                reason="kernel_busy")
             await asyncio.sleep(0.05)
 
+    async def _find_orphan(self, km, prov, exc: RestoreFailed) -> int | None:
+        """After the helper died mid-restore: the tree CRIU went on to restore, if any.
+
+        The old kernel is gone by then (the helper kills it before CRIU starts). Adopting the
+        restored tree finishes the restore the user asked for; leaving it would leave an
+        untracked kernel holding this kernel's ports, so that no fresh kernel could start.
+        """
+        if not getattr(exc, "tree_may_exist", False):
+            return None
+        if prov.tracked is not None and prov.tracked.alive():
+            return None
+        port = int(km.get_connection_info()["shell_port"])
+        pid = await asyncio.to_thread(find_restored_tree, port)
+        if pid is not None:
+            self.log.warning("infinijup: the helper died during the restore of kernel %s; "
+                             "adopting the tree it restored (pid %d)", km.kernel_id, pid)
+        return pid
+
     async def _recover(self, km, prov, exc: RestoreFailed) -> None:
         """After a failed restore: keep the old kernel if it lives, else start a fresh one."""
         prov.restoring = False
@@ -374,6 +404,9 @@ class SnapshotManager(LoggingConfigurable):
                         "intact)",)
         except Exception as restart_exc:
             exc.args = (f"{exc.message}; restarting the kernel failed too: {restart_exc}",)
+            # Say so in the kernel's model (GET /api/kernels): it is dead until restarted.
+            km.execution_state = "dead"
+            km.reason = exc.message
 
     async def restore_for_kernel(self, kernel_id: str, ref: str, branch: str | None) -> dict:
         """A restore the kernel asked for (``%restore``): starts once its cell has finished."""

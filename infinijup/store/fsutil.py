@@ -6,6 +6,7 @@ Snapshot images hold process memory and secrets, so every directory the store cr
 
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
 from pathlib import Path
@@ -86,3 +87,26 @@ def _unlink_quiet(path: Path) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def _libc_sync_file_range() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _libc_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing ``length`` bytes at ``offset`` of ``fd`` to disk now
+    (``sync_file_range(SYNC_FILE_RANGE_WRITE)``; asynchronous, no flush, no durability
+    promise). A later fsync then finds little left to do, and the disk works while we go on
+    computing instead of all at the end. A no-op where the call is unavailable."""
+    if _sync_file_range is not None and length > 0:
+        _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)

@@ -13,17 +13,17 @@ snapshots can be found by notebook path, kernel id, ...).
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 import threading
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import fsutil
 from .errors import IndexCorrupt
-from .objects import Commit, canonical_json
+from .objects import ID_BYTES, Commit, canonical_json
 from .packs import PackEntry
 
 SCHEMA_VERSION = 1
@@ -66,9 +66,8 @@ CREATE INDEX IF NOT EXISTS commit_meta_kv ON commit_meta (key, value);
 """
 
 
-@dataclass(frozen=True)
-class Location:
-    """Where an object is stored."""
+class Location(NamedTuple):
+    """Where an object is stored (a named tuple: checkout builds one per chunk)."""
 
     pack: str
     offset: int
@@ -92,7 +91,12 @@ class Index:
             )
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
+            # ingest inserts thousands of random (hash) keys per transaction: keep the
+            # B-trees in memory and checkpoint the WAL less often (fewer rewrites of pages)
+            self._db.execute("PRAGMA cache_size=-65536")
+            self._db.execute("PRAGMA wal_autocheckpoint=16384")
             self._db.executescript(_SCHEMA)
+            self._bulk = _has_json(self._db)
             row = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
             if row is None:
                 self._db.execute(
@@ -114,22 +118,29 @@ class Index:
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _query(self, sql: str, params: Iterable[Any] = ()) -> list[tuple[Any, ...]]:
+    def _query(self, sql: str, params: Iterable[Any] | dict[str, Any] = ()
+               ) -> list[tuple[Any, ...]]:
         with self._lock:
             try:
-                return self._db.execute(sql, tuple(params)).fetchall()
+                return self._db.execute(
+                    sql, params if isinstance(params, dict) else tuple(params)).fetchall()
             except sqlite3.DatabaseError as exc:
                 raise IndexCorrupt(f"index query failed ({exc}); run rebuild-index") from exc
 
-    def _write(self, statements: list[tuple[str, Any, bool]]) -> None:
-        """Run (sql, params, many) statements in one IMMEDIATE transaction."""
+    def _write(self, statements: list[_Stmt]) -> None:
+        """Run (sql, params, many) statements (or callables taking the connection) in one
+        IMMEDIATE transaction."""
         with self._lock:
             try:
                 self._db.execute("BEGIN IMMEDIATE")
                 try:
-                    for sql, params, many in statements:
+                    for stmt in statements:
+                        if callable(stmt):
+                            stmt(self._db)
+                            continue
+                        sql, params, many = stmt
                         if many:
-                            self._db.executemany(sql, params)  # type: ignore[arg-type]
+                            self._db.executemany(sql, params)
                         else:
                             self._db.execute(sql, tuple(params))
                 except BaseException:
@@ -144,6 +155,31 @@ class Index:
     def add_pack(self, name: str, size: int, entries: list[PackEntry]) -> None:
         """Record a pack and its objects; objects already indexed keep their location."""
         self.add_packs([(name, size, entries)])
+
+    def add_pack_rows(self, packs: list[tuple[str, int, int, _RowsFor]]) -> None:
+        """Record packs given as (name, size, object count, rows) where ``rows(pid)`` gives
+        the pack's ``objects`` rows (id, pid, offset, length, raw length, type,
+        compression), e.g. ``PackWriter.index_rows``. One transaction; the rows of all the
+        packs are inserted sorted by id (one pass over the B-tree instead of random
+        jumps); objects already indexed keep their location."""
+
+        def insert(db: sqlite3.Connection) -> None:
+            rows: list[tuple[bytes, int, int, int, int, int, int]] = []
+            for name, size, count, rows_for in packs:
+                db.execute("INSERT OR IGNORE INTO packs (name, size, count) VALUES (?,?,?)",
+                           (name, size, count))
+                pid = db.execute("SELECT pid FROM packs WHERE name=?", (name,)).fetchone()[0]
+                rows += rows_for(pid)
+            rows.sort(key=_first)
+            if self._bulk:  # one statement: the GIL is released once, not once per row
+                for i in range(0, len(rows), _BULK):
+                    part = rows[i : i + _BULK]
+                    db.execute(_BULK_INSERT, {"ids": b"".join([r[0] for r in part]),
+                                              "rows": json.dumps([r[1:] for r in part])})
+            else:
+                db.executemany("INSERT OR IGNORE INTO objects VALUES (?,?,?,?,?,?,?)", rows)
+
+        self._write([insert])
 
     def add_packs(self, packs: list[tuple[str, int, list[PackEntry]]], *,
                   replace: bool = False) -> None:
@@ -161,6 +197,15 @@ class Index:
     def known(self, ids: list[bytes]) -> set[bytes]:
         """The subset of ``ids`` that the index holds."""
         found: set[bytes] = set()
+        blob = b"".join(ids)
+        if self._bulk and len(blob) == ID_BYTES * len(ids):
+            # ids passed as one blob, answer in one row (one step, one GIL release)
+            for i in range(0, len(ids), _BULK):
+                part = ids[i : i + _BULK]
+                rows = self._query(_BULK_KNOWN, {
+                    "n": len(part), "ids": blob[i * ID_BYTES : (i + len(part)) * ID_BYTES]})
+                found.update(part[k] for k in json.loads(rows[0][0]))
+            return found
         for i in range(0, len(ids), 500):
             part = ids[i : i + 500]
             marks = ",".join("?" * len(part))
@@ -178,6 +223,15 @@ class Index:
     def lookup_many(self, ids: list[bytes]) -> dict[bytes, Location]:
         """Locations of those ``ids`` that are indexed."""
         out: dict[bytes, Location] = {}
+        uniq = list(dict.fromkeys(ids))
+        if self._bulk and sum(map(len, uniq)) == ID_BYTES * len(uniq):
+            # as in known(): one statement, one result row per call
+            for i in range(0, len(uniq), _BULK):
+                part = uniq[i : i + _BULK]
+                rows = self._query(_BULK_LOOKUP, {"n": len(part), "ids": b"".join(part)})
+                for k, *loc in json.loads(rows[0][0]):
+                    out[part[k]] = Location(*loc)
+            return out
         for i in range(0, len(ids), 500):
             part = list(dict.fromkeys(ids[i : i + 500]))
             marks = ",".join("?" * len(part))
@@ -267,22 +321,60 @@ class Index:
         self._write(clear + _pack_statements(packs, False) + _commit_statements(commits))
 
 
-_Stmt = tuple[str, Any, bool]
+_Stmt = tuple[str, Any, bool] | Callable[[sqlite3.Connection], None]
+#: pid -> rows of the ``objects`` table for one pack
+_RowsFor = Callable[[int], Iterable[tuple[bytes, int, int, int, int, int, int]]]
+
+
+# Bulk statements (SQLite's JSON functions, built in since 3.38): many ids in one blob, many
+# rows in one JSON text, so a statement is stepped once for thousands of objects. Python's
+# sqlite3 releases the GIL around every step: one step per row costs a GIL hand-off per
+# object, which is what limits ingest and checkout on many cores.
+_BULK = 1 << 16
+_SEQ = "WITH RECURSIVE seq(k) AS (SELECT 0 UNION ALL SELECT k + 1 FROM seq WHERE k + 1 < :n) "
+_BULK_KNOWN = (_SEQ + "SELECT json_group_array(k) FROM seq "
+               "WHERE EXISTS (SELECT 1 FROM objects WHERE id = substr(:ids, k * 32 + 1, 32))")
+_BULK_LOOKUP = (_SEQ + "SELECT json_group_array(json_array(k, p.name, o.offset, o.length, "
+                "o.raw_length, o.type, o.compression)) "
+                "FROM seq JOIN objects o ON o.id = substr(:ids, k * 32 + 1, 32) "
+                "JOIN packs p ON p.pid = o.pid")
+_BULK_INSERT = ("INSERT OR IGNORE INTO objects SELECT substr(:ids, j.key * 32 + 1, 32), "
+                + ", ".join(f"json_extract(j.value, '$[{i}]')" for i in range(6))
+                + " FROM json_each(:rows) AS j")
+
+
+def _has_json(db: sqlite3.Connection) -> bool:
+    try:
+        db.execute("SELECT json_array(1), json_group_array(1)").fetchone()
+    except sqlite3.OperationalError:
+        return False
+    return True
+
+
+def _first(row: tuple[Any, ...]) -> Any:
+    return row[0]
 
 
 def _pack_statements(packs: list[tuple[str, int, list[PackEntry]]], replace: bool) -> list[_Stmt]:
+    def rows_for(entries: list[PackEntry]) -> _RowsFor:
+        return lambda pid: ((e.id, pid, e.offset, e.length, e.raw_length, e.type,
+                             e.compression) for e in entries)
+
+    return [_pack_inserter(name, size, len(entries), rows_for(entries), replace)
+            for name, size, entries in packs]
+
+
+def _pack_inserter(name: str, size: int, count: int, rows: _RowsFor, replace: bool
+                   ) -> Callable[[sqlite3.Connection], None]:
     verb = "INSERT OR REPLACE" if replace else "INSERT OR IGNORE"
-    stmts: list[_Stmt] = []
-    for name, size, entries in packs:
-        stmts.append(("INSERT OR IGNORE INTO packs (name, size, count) VALUES (?,?,?)",
-                      (name, size, len(entries)), False))
-        stmts.append((
-            f"{verb} INTO objects SELECT ?, (SELECT pid FROM packs WHERE name=?), ?, ?, ?, ?, ?",
-            [(e.id, name, e.offset, e.length, e.raw_length, e.type, e.compression)
-             for e in entries],
-            True,
-        ))
-    return stmts
+
+    def insert(db: sqlite3.Connection) -> None:
+        db.execute("INSERT OR IGNORE INTO packs (name, size, count) VALUES (?,?,?)",
+                   (name, size, count))
+        pid = db.execute("SELECT pid FROM packs WHERE name=?", (name,)).fetchone()[0]
+        db.executemany(f"{verb} INTO objects VALUES (?,?,?,?,?,?,?)", rows(pid))
+
+    return insert
 
 
 def _commit_statements(commits: list[tuple[Commit, bytes]]) -> list[_Stmt]:

@@ -17,12 +17,15 @@ fsynced: a pack either exists whole or not at all.
 
 from __future__ import annotations
 
+import itertools
 import os
 import struct
 import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import zstandard
 
 from . import fsutil
@@ -144,50 +147,92 @@ def decode_payload(payload: bytes, entry_id: bytes, compression: int, raw_length
 
 
 class PackWriter:
-    """Appends objects to a new pack in ``tmp/``; ``finish`` makes it durable and visible."""
+    """Appends objects to a new pack in ``tmp/``; ``finish`` makes it durable and visible.
 
-    def __init__(self, packs_dir: Path, tmp_dir: Path) -> None:
+    The header is kept in columns (one list per field) rather than one ``PackEntry`` per
+    object: ingest appends thousands of chunks per pack, and the columns are encoded into the
+    header and the index rows in bulk.
+    """
+
+    def __init__(self, packs_dir: Path, tmp_dir: Path, *, writeback: bool = True) -> None:
         self.packs_dir = packs_dir
         self.tmp_path = fsutil.temp_name(tmp_dir, "pack")
         self._fd = fsutil.open_private(self.tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-        self.entries: list[PackEntry] = []
+        self.types: list[int] = []
+        self.compressions: list[int] = []
+        self.ids: list[bytes] = []
+        self.lengths: list[int] = []
+        self.raw_lengths: list[int] = []
         self.size = 0
+        self.writeback = writeback
+        self.name = ""  # pack id, once finished
+        self.total_size = 0  # file size, header included, once finished
+
+    @property
+    def count(self) -> int:
+        """Number of objects accounted so far."""
+        return len(self.ids)
+
+    @property
+    def entries(self) -> list[PackEntry]:
+        """The objects accounted so far, as header entries (offsets included)."""
+        offsets = itertools.accumulate(self.lengths, initial=0)
+        return [PackEntry(*e) for e in zip(self.types, self.compressions, self.ids, offsets,
+                                           self.lengths, self.raw_lengths, strict=False)]
+
+    def index_rows(self, pid: int) -> Iterator[tuple[bytes, int, int, int, int, int, int]]:
+        """Rows of the index's ``objects`` table for every object, for pack row ``pid``."""
+        offsets = itertools.accumulate(self.lengths, initial=0)
+        return zip(self.ids, itertools.repeat(pid), offsets, self.lengths, self.raw_lengths,
+                   self.types, self.compressions, strict=False)
 
     def add(self, typ: int, oid: bytes, payload: bytes | memoryview, compression: int,
             raw_length: int) -> None:
         """Append one already-encoded object."""
-        view = memoryview(payload)
-        length = len(view)
-        while view:
-            n = os.write(self._fd, view)
-            view = view[n:]
-        self.entries.append(PackEntry(typ, compression, oid, self.size, length, raw_length))
-        self.size += length
+        self.write_at(*self.reserve([(typ, oid, payload, compression, raw_length)]))
 
     def add_many(self, items: list[tuple[int, bytes, bytes | memoryview, int, int]]) -> None:
-        """Append several objects (type, id, payload, compression, raw length) with writev."""
-        self.write(self.reserve(items))
+        """Append several objects (type, id, payload, compression, raw length)."""
+        self.write_at(*self.reserve(items))
 
     def reserve(self, items: list[tuple[int, bytes, bytes | memoryview, int, int]]
-                ) -> list[memoryview]:
-        """Account objects in the header; the caller must then ``write`` the returned
-        payloads, in order (possibly from another thread), before ``finish``."""
-        for typ, oid, payload, comp, raw in items:
-            length = len(payload)
-            self.entries.append(PackEntry(typ, comp, oid, self.size, length, raw))
-            self.size += length
-        return [memoryview(p) for _, _, p, _, _ in items]
+                ) -> tuple[list[bytes | memoryview], int]:
+        """Account objects (type, id, payload, compression, raw length) in the header;
+        returns (payloads, file offset) for ``write_at``, which must have written them
+        (possibly from another thread) before ``finish``."""
+        if not items:
+            return [], self.size
+        types, ids, payloads, comps, raws = zip(*items, strict=True)
+        return self.reserve_columns(types, ids, payloads, comps, raws)
 
-    def write(self, views: list[memoryview]) -> None:
-        """Write payloads accounted by ``reserve``."""
-        for i in range(0, len(views), 512):
-            _writev_all(self._fd, views[i : i + 512])
+    def reserve_columns(self, types: Sequence[int], ids: Sequence[bytes],
+                        payloads: Sequence[bytes | memoryview], compressions: Sequence[int],
+                        raw_lengths: Sequence[int]) -> tuple[list[bytes | memoryview], int]:
+        """``reserve`` for objects given as columns (equal-length sequences)."""
+        lengths = list(map(len, payloads))
+        offset = self.size
+        self.types += types
+        self.ids += ids
+        self.compressions += compressions
+        self.raw_lengths += raw_lengths
+        self.lengths += lengths
+        self.size += sum(lengths)
+        return list(payloads), offset
+
+    def write_at(self, payloads: Sequence[bytes | memoryview], offset: int) -> None:
+        """Write payloads accounted by ``reserve`` at the offset it returned. Writes of
+        different reservations may run concurrently, from any threads."""
+        end = pwritev_all(self._fd, payloads, offset)
+        if self.writeback:
+            fsutil.start_writeback(self._fd, offset, end - offset)
 
     def finish(self) -> tuple[str, Path, int]:
-        """Write header and trailer, fsync, rename into place. Returns (id, path, size)."""
-        header = encode_header(self.entries)
+        """Write header and trailer, fsync, rename into place. Returns (id, path, size).
+        Every reserved payload must have been written."""
+        header = encode_header_columns(self.types, self.compressions, self.ids, self.lengths,
+                                       self.raw_lengths)
         tail = header + TRAILER.pack(len(header), TRAILER_MAGIC)
-        os.write(self._fd, tail)
+        pwritev_all(self._fd, [tail], self.size)
         os.fsync(self._fd)
         os.close(self._fd)
         self._fd = -1
@@ -196,7 +241,8 @@ class PackWriter:
         fsutil.make_private_dir(final.parent)
         os.replace(self.tmp_path, final)
         fsutil.fsync_dir(final.parent)
-        return pack_id, final, self.size + len(tail)
+        self.name, self.total_size = pack_id, self.size + len(tail)
+        return pack_id, final, self.total_size
 
     def abort(self) -> None:
         """Drop the unfinished pack."""
@@ -209,14 +255,51 @@ class PackWriter:
             pass
 
 
-def _writev_all(fd: int, views: list[memoryview]) -> None:
-    while views:
-        n = os.writev(fd, views)
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
+_ENTRY_DTYPE = np.dtype([("type", "u1"), ("compression", "u1"), ("id", "V32"),
+                         ("length", "<u8"), ("raw_length", "<u8")])
+assert _ENTRY_DTYPE.itemsize == ENTRY.size
+
+
+def encode_header_columns(types: Sequence[int], compressions: Sequence[int],
+                          ids: Sequence[bytes], lengths: Sequence[int],
+                          raw_lengths: Sequence[int]) -> bytes:
+    """``encode_header`` for entries given as columns; the same bytes, built in bulk."""
+    n = len(ids)
+    table = np.empty(n, dtype=_ENTRY_DTYPE)
+    if n:
+        table["type"] = types
+        table["compression"] = compressions
+        table["id"] = np.frombuffer(b"".join(ids), dtype="V32")
+        table["length"] = lengths
+        table["raw_length"] = raw_lengths
+    body = HEADER_HEAD.pack(HEADER_MAGIC, HEADER_VERSION, n) + table.tobytes()
+    return body + hash_bytes(body)
+
+
+def pwritev_all(fd: int, payloads: Sequence[bytes | memoryview], offset: int) -> int:
+    """Write every payload, in order, from file ``offset`` on, with as few ``pwritev`` calls
+    as the OS allows (IOV_MAX buffers each; short writes are resumed). Returns the end."""
+    for i in range(0, len(payloads), _IOV_MAX):
+        views = payloads[i : i + _IOV_MAX]
+        want = sum(map(len, views))
+        n = os.pwritev(fd, views, offset)
+        if n != want:  # short write (rare: signals, full disks): finish it piece by piece
+            rest = n
+            for v in views:
+                v = memoryview(v).cast("B")
+                if rest >= len(v):
+                    rest -= len(v)
+                    continue
+                pos = offset + n
+                v, rest = v[rest:], 0
+                while v:
+                    k = os.pwrite(fd, v, pos)
+                    v, pos, n = v[k:], pos + k, n + k
+        offset += want
+    return offset
+
+
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 
 
 def pack_path(packs_dir: Path, pack_id: str) -> Path:

@@ -252,7 +252,8 @@ class Repository:
     # -- writing ---------------------------------------------------------------------------
 
     def writer(self, *, threads: int | None = None) -> Writer:
-        """A streaming writer (context manager). ``threads`` defaults to all cores."""
+        """A streaming writer (context manager). ``threads`` defaults to one per core, at
+        most 8 (``writer.default_threads``)."""
         return Writer(self, threads=threads)
 
     def commit_tree(self, entries: Mapping[str, Any], *, thread: str, message: str = "",

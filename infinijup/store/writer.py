@@ -2,19 +2,35 @@
 
 Pipeline for one stream (``Writer.add_stream``)::
 
-    main thread            worker threads (blake3 and zstd release the GIL)
-    read 8 MiB block  -->  chunker.scan(block)              candidate cut points
-    Splitter picks cuts
-    batch ~4 MiB      -->  BLAKE3 each chunk, skip ids already stored, zstd the rest
-    append new chunks to the open pack (in stream order), rotate packs at pack_size
+    main thread                  worker threads (numpy, blake3, zstd release the GIL)
+    readinto 8 MiB block    -->  chunker.scan(block): candidate cut points
+    Splitter picks the cuts
+    jobs of ~4 MiB          -->  BLAKE3 every chunk, drop ids already stored or written,
+                                 zstd the rest where it pays (probing incompressible runs)
+    drain jobs in order: ids, new chunks reserved in the open pack
+                            -->  io threads pwritev the reserved ranges
+    full pack               -->  seal thread: header, fsync, rename, fsync dir, index rows
 
-The main thread only reads, picks cut points and writes; everything proportional to the
-data size runs in the pool. A ``Writer`` holds the store lock *shared* for its whole life,
-which keeps ``gc`` (exclusive) away from chunks it dedups against or is writing.
+The main thread does per *block* work only (reading, picking cuts, slicing the block into
+jobs by offsets): everything per *chunk* runs in the workers, and the pack bookkeeping is
+columnar (lists extended per job, header and index rows built in bulk). Writing and sealing
+run on their own threads, so neither hashing nor reading waits for the disk; a pack is
+still fsynced and renamed before its index rows are added, and a commit waits for every
+pack it needs. A ``Writer`` holds the store lock *shared* for its whole life, which keeps
+``gc`` (exclusive) away from chunks it dedups against or is writing.
+
+Compression: a chunk is stored zstd only if that saves ``min_saving`` (5%), as before.
+zstd costs more than hashing on data it cannot shrink, so a job whose first chunk does not
+compress *probes* its other chunks: a 1/8 sample of each (512 bytes of every 4 KiB page) is
+compressed, and a chunk whose sample saves under 1% is stored raw without compressing it.
+A job whose first chunk compresses compresses them all (no probing cost on compressible
+data). zstd runs over all the chunks of a job in one call (``multi_compress_to_buffer``):
+one GIL release per job instead of one per chunk, which matters with many cores.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 from collections import deque
@@ -25,9 +41,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, TYPE_CHECKING, Any, TypeVar
 
+import blake3
+import numpy as np
 import zstandard
 
-from .chunking import Candidates, Splitter
+from .chunking import PAGE, Candidates, Splitter
 from .errors import InvalidTree, ObjectMissing
 from .faults import crashpoint
 from .lock import FileLock
@@ -52,9 +70,34 @@ if TYPE_CHECKING:
 
 BLOCK = 8 << 20  # read size; a multiple of the page size
 BATCH = 4 << 20  # bytes of chunks per hashing/compression job
+PROBE_MIN = 16 << 10  # chunks shorter than this are compressed without probing
+PROBE_PIECE = 512  # bytes sampled from each 4 KiB page of a probed chunk
+PROBE_AT = 1536  # where in each page the sampled piece starts
+PROBE_SAVING = 0.01  # a sample that saves less than this marks the chunk incompressible
+MAX_PENDING_WRITES = 16  # pack writes queued before the main thread waits
+INDEX_BATCH = 16384  # objects of sealed packs indexed together, in one transaction
+
+MAX_DEFAULT_THREADS = 8  # see default_threads
 
 T = TypeVar("T")
 
+
+def default_threads() -> int:
+    """Worker threads when the caller does not say: one per core, at most 8.
+
+    Every chunk costs at least one GIL hand-off (its BLAKE3 call releases the GIL), and with
+    more threads the hand-offs contend: on 16 cores, 8 workers ingest and check out faster
+    than 16 (docs/benchmarks.md, ## Store).
+    """
+    return max(1, min(os.cpu_count() or 1, MAX_DEFAULT_THREADS))
+
+#: A run of chunks inside one buffer: (buffer, stream offset of the buffer, stream offset
+#: where the first chunk starts, stream offsets where each chunk ends, the buffer's zero-page
+#: prefix counts or None when it has no all-zero page).
+Segment = tuple[memoryview, int, int, list[int], "np.ndarray | None"]
+#: What a job returns: (every chunk id in order, their total length, and for the chunks
+#: to store: ids, payloads, compressions, raw lengths).
+JobResult = tuple[list[bytes], int, list[bytes], list[Any], list[int], list[int]]
 
 @dataclass(frozen=True)
 class Dir:
@@ -80,18 +123,24 @@ class Writer:
 
     def __init__(self, repo: Repository, *, threads: int | None = None) -> None:
         self.repo = repo
-        self.threads = max(1, threads or os.cpu_count() or 1)
+        self.threads = max(1, threads or default_threads())
         self.stats = WriteStats()
         self._lock = FileLock(repo.lock_path, shared=True, timeout=repo.lock_timeout).acquire()
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="ijstore") \
             if self.threads > 1 else None
+        self._io = ThreadPoolExecutor(max(1, min(4, self.threads // 4)),
+                                      thread_name_prefix="ijstore-io")
+        self._sealer = ThreadPoolExecutor(1, thread_name_prefix="ijstore-seal")
         self._local = threading.local()
         self._pack: PackWriter | None = None
-        self._finisher = ThreadPoolExecutor(1, thread_name_prefix="ijstore-finish")
-        self._finishing: deque[Future[int]] = deque()
+        self._pack_writes: list[Future[None]] = []  # writes into the open pack
+        self._writes: deque[Future[None]] = deque()  # every write not yet waited for
+        self._sealing: deque[Future[int]] = deque()  # packs being sealed -> stored bytes
+        self._unindexed: list[PackWriter] = []  # sealed packs not indexed yet (seal thread)
         self._written: set[bytes] = set()  # ids this writer put in packs
         self._written_lock = threading.Lock()
         self._buffers: list[bytearray] = []  # recycled read buffers
+        self._zero_ids: dict[int, bytes] = {}
         self._closed = False
         cfg = repo.config
         self._level = cfg.compression_level
@@ -135,23 +184,13 @@ class Writer:
         return self.repo.commit_tree(entries, writer=self, **kwargs)
 
     def flush(self) -> None:
-        """Make every object written so far durable and indexed (waits for finishing packs)."""
+        """Make every object written so far durable and indexed (waits for sealing packs)."""
         self._rotate()
-        while self._finishing:
-            self.stats.stored_bytes += self._finishing.popleft().result()
-
-    def _rotate(self) -> None:
-        """Hand the open pack to the finisher thread (fsync, rename, index) and go on."""
-        if self._pack is not None and self._pack.entries:
-            pack, self._pack = self._pack, None
-            self._finishing.append(self._finisher.submit(self._finish_pack, pack))
-
-    def _finish_pack(self, pack: PackWriter) -> int:
-        name, _path, size = pack.finish()
-        crashpoint("after_pack")
-        self.repo.index.add_pack(name, size, pack.entries)
-        crashpoint("after_index")
-        return size
+        while self._writes:
+            self._writes.popleft().result()
+        while self._sealing:
+            self.stats.stored_bytes += self._sealing.popleft().result()
+        self._sealer.submit(self._index_sealed).result()
 
     def take_stats(self) -> WriteStats:
         """Return the stats since the last call and start counting afresh."""
@@ -171,12 +210,13 @@ class Writer:
         """Drop the unfinished pack, stop the workers and release the lock."""
         if self._closed:
             return
+        for fut in list(self._writes) + list(self._sealing):
+            fut.exception()  # wait; a failed pack is garbage for gc
+        self._writes.clear()
+        self._sealing.clear()
         if self._pack is not None:
             self._pack.abort()
             self._pack = None
-        for fut in self._finishing:
-            fut.exception()  # wait; a failed pack is garbage for gc
-        self._finishing.clear()
         self._shutdown()
 
     def __enter__(self) -> Writer:
@@ -199,14 +239,18 @@ class Writer:
         self._closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-        self._finisher.shutdown(wait=True)
+        self._io.shutdown(wait=True)
+        self._sealer.shutdown(wait=True)
         self._lock.release()
 
     def _submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         if self._pool is not None:
             return self._pool.submit(fn, *args)
         fut: Future[T] = Future()
-        fut.set_result(fn(*args))
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits, as a pool would
+            fut.set_exception(exc)
         return fut
 
     def _ingest(self, src: IO[bytes] | Iterable[bytes]) -> Blob:
@@ -216,6 +260,80 @@ class Writer:
         blob_id = hash_bytes(body)
         self._put_meta(BLOB, blob_id, body)
         return Blob(blob_id.hex(), total)
+
+    # -- packs -----------------------------------------------------------------------------
+
+    def _rotate(self) -> None:
+        """Hand the open pack to the seal thread (once its writes are done) and go on."""
+        if self._pack is not None and self._pack.count:
+            pack, writes = self._pack, self._pack_writes
+            self._pack, self._pack_writes = None, []
+            self._sealing.append(self._sealer.submit(self._finish_pack, pack, writes))
+
+    def _finish_pack(self, pack: PackWriter, writes: list[Future[None]]) -> int:
+        """Seal thread: make a pack durable and visible; index sealed packs in batches."""
+        for w in writes:
+            w.result()  # a failed write fails the pack (and the commit waiting for it)
+        _name, _path, size = pack.finish()
+        crashpoint("after_pack")
+        self._unindexed.append(pack)
+        if sum(p.count for p in self._unindexed) >= INDEX_BATCH:
+            self._index_sealed()
+        return size
+
+    def _index_sealed(self) -> None:
+        """Seal thread: add the index rows of every sealed pack not indexed yet, in one
+        transaction (the packs are durable already: packs before index rows)."""
+        packs, self._unindexed = self._unindexed, []
+        if packs:
+            self.repo.index.add_pack_rows(
+                [(p.name, p.total_size, p.count, p.index_rows) for p in packs])
+        for _ in packs:
+            crashpoint("after_index")
+
+    def _put(self, typ: int, ids: list[bytes], payloads: list[Any], comps: list[int],
+             raws: list[int]) -> Future[None] | None:
+        """Append objects (given as columns) to the open pack, starting a new pack whenever
+        one reaches the configured size; their bytes are written by the io threads. Returns
+        the future of the last write, or None if nothing was written."""
+        limit = self.repo.config.pack_size
+        last: Future[None] | None = None
+        start, n = 0, len(ids)
+        while start < n:
+            if self._pack is None:
+                self._pack = PackWriter(self.repo.packs_dir, self.repo.tmp_dir)
+            pack = self._pack
+            room = limit - pack.size
+            end, used = start, 0
+            while end < n and used < room:
+                used += len(payloads[end])
+                end += 1
+            views, offset = pack.reserve_columns(
+                [typ] * (end - start), ids[start:end], payloads[start:end], comps[start:end],
+                raws[start:end])
+            last = self._io.submit(pack.write_at, views, offset)
+            self._pack_writes.append(last)
+            self._writes.append(last)
+            start = end
+            if pack.size >= limit:
+                self._rotate()
+        while len(self._writes) > MAX_PENDING_WRITES:
+            self._writes.popleft().result()
+        while self._sealing and self._sealing[0].done():
+            self.stats.stored_bytes += self._sealing.popleft().result()
+        return last
+
+    def _put_meta(self, typ: int, oid: bytes, body: bytes) -> None:
+        with self._written_lock:
+            if oid in self._written:
+                return
+            self._written.add(oid)
+        if self.repo.index.known([oid]):
+            return
+        payload, comp = self._encode(body)
+        self._put(typ, [oid], [payload], [comp], [len(body)])
+
+    # -- chunks (worker threads) -----------------------------------------------------------
 
     def _compressor(self) -> zstandard.ZstdCompressor:
         c = getattr(self._local, "cctx", None)
@@ -230,55 +348,82 @@ class Writer:
             return packed, ZSTD
         return data, RAW
 
-    def _process(self, chunks: list[memoryview | bytes]) -> list[tuple[bytes, int, Any, int]]:
+    def _zero_id(self, n: int) -> bytes:
+        """BLAKE3 of ``n`` zero bytes (computed once per length)."""
+        oid = self._zero_ids.get(n)
+        if oid is None:
+            oid = self._zero_ids[n] = hash_bytes(bytes(n))
+        return oid
+
+    def _encode_chunks(self, chunks: list[memoryview]) -> tuple[list[Any], list[int]]:
+        """(payloads, compressions) for new chunks, compressing where it pays.
+
+        zstd runs over many chunks per call (``multi_compress_to_buffer``, which releases
+        the GIL once for all of them). The job's first chunk decides the mode: if it
+        compresses, every chunk is compressed (and kept raw where that does not save
+        ``min_saving``); if not, every further chunk is *probed* first (its sample is
+        compressed) and only those whose sample shrinks are compressed.
+        """
+        cctx = self._compressor()
+        keep = 1 - self._min_saving
+        payloads: list[Any] = list(chunks)
+        comps = [RAW] * len(chunks)
+        first = cctx.compress(chunks[0])
+        if len(first) <= len(chunks[0]) * keep:
+            payloads[0], comps[0] = first, ZSTD
+            todo = list(range(1, len(chunks)))
+        else:
+            todo = [k for k in range(1, len(chunks)) if len(chunks[k]) < PROBE_MIN]
+            probe = [k for k in range(1, len(chunks)) if len(chunks[k]) >= PROBE_MIN]
+            if probe:
+                samples = [_sample(chunks[k]) for k in probe]
+                packed = cctx.multi_compress_to_buffer(samples, threads=1)
+                todo += [k for j, k in enumerate(probe)
+                         if len(packed[j]) <= len(samples[j]) * (1 - PROBE_SAVING)]
+                todo.sort()
+        if todo:
+            packed = cctx.multi_compress_to_buffer([chunks[k] for k in todo], threads=1)
+            for j, k in enumerate(todo):
+                p = packed[j]
+                if len(p) <= len(chunks[k]) * keep:
+                    payloads[k], comps[k] = p, ZSTD
+        return payloads, comps
+
+    def _process(self, segments: list[Segment]) -> JobResult:
         """Worker job: hash every chunk, compress those the store does not have yet."""
-        ids = [hash_bytes(c) for c in chunks]
+        chunks: list[memoryview] = []
+        zero: list[bool] | None = None  # which chunks are all zeros, if any is
+        for view, base, start, ends, zprefix in segments:
+            if zprefix is not None:
+                flags = _zero_chunks(zprefix, start - base, ends, base)
+                if zero is None:
+                    zero = [False] * len(chunks)
+                zero += flags
+            elif zero is not None:
+                zero += [False] * len(ends)
+            s = start - base
+            for e in ends:
+                e -= base
+                chunks.append(view[s:e])
+                s = e
+        if zero is None or not any(zero):
+            ids = [blake3.blake3(c).digest() for c in chunks]
+        else:  # all-zero chunks: their BLAKE3 is known (one per length), skip hashing them
+            zid = self._zero_id
+            ids = [zid(len(c)) if z else blake3.blake3(c).digest()
+                   for c, z in zip(chunks, zero, strict=True)]
+        total = segments[-1][3][-1] - segments[0][2]  # segments are consecutive
+        by_id = dict(zip(ids, chunks, strict=True))  # one per distinct id
         with self._written_lock:
-            fresh = [i for i in ids if i not in self._written]
-        stored = self.repo.index.known(fresh) if fresh else set()
-        out: list[tuple[bytes, int, Any, int]] = []
-        for oid, chunk in zip(ids, chunks, strict=True):
-            if oid in stored or oid in self._written:
-                out.append((oid, len(chunk), None, RAW))
-            else:
-                payload, comp = self._encode(chunk)
-                out.append((oid, len(chunk), payload, comp))
-        return out
-
-    def _put_many(self, items: list[tuple[int, bytes, Any, int, int]]) -> Future[int] | None:
-        """Append objects (type, id, payload, compression, raw length) to the open pack,
-        starting a new pack whenever one reaches the configured size. Returns the future of
-        the last write (the finisher runs writes in order), or None if nothing was written."""
-        limit = self.repo.config.pack_size
-        last: Future[int] | None = None
-        while items:
-            if self._pack is None:
-                self._pack = PackWriter(self.repo.packs_dir, self.repo.tmp_dir)
-            room = limit - self._pack.size
-            take, used = 0, 0
-            while take < len(items) and used < room:
-                used += len(items[take][2])
-                take += 1
-            group, items = items[:take], items[take:]
-            # the (single, FIFO) finisher thread writes, so reading and hashing go on meanwhile
-            last = self._finisher.submit(_write_views, self._pack, self._pack.reserve(group))
-            self._finishing.append(last)
-            while len(self._finishing) > 8:
-                self.stats.stored_bytes += self._finishing.popleft().result()
-            with self._written_lock:
-                self._written.update(item[1] for item in group)
-            if self._pack.size >= limit:
-                self._rotate()
-        return last
-
-    def _put_meta(self, typ: int, oid: bytes, body: bytes) -> None:
-        with self._written_lock:
-            if oid in self._written:
-                return
-        if self.repo.index.known([oid]):
-            return
-        payload, comp = self._encode(body)
-        self._put_many([(typ, oid, payload, comp, len(body))])
+            fresh = [i for i in by_id if i not in self._written]
+        if fresh:
+            stored = self.repo.index.known(fresh)
+            if stored:
+                fresh = [i for i in fresh if i not in stored]
+        chunks = [by_id[i] for i in fresh]
+        payloads, comps = self._encode_chunks(chunks) if chunks else ([], [])
+        raws = list(map(len, chunks))
+        return ids, total, fresh, payloads, comps, raws
 
     def _write_tree(self, entries: Mapping[str, Any]) -> tuple[str, int]:
         out: list[TreeEntry] = []
@@ -307,10 +452,6 @@ class Writer:
         return tree_id.hex(), total
 
 
-def _write_views(pack: PackWriter, views: list[memoryview]) -> int:
-    pack.write(views)
-    return 0
-
 
 def _collect_blobs(entries: Mapping[str, Any], out: list[Blob]) -> None:
     if not isinstance(entries, Mapping):
@@ -326,24 +467,12 @@ def _collect_blobs(entries: Mapping[str, Any], out: list[Blob]) -> None:
             _collect_blobs(value, out)
 
 
-def _slice(window: deque[tuple[int, memoryview]], start: int, end: int) -> memoryview | bytes:
-    """Bytes [start, end) of the stream from the blocks in ``window`` (zero-copy if possible)."""
-    parts: list[memoryview] = []
-    for off, block in window:
-        b_end = off + len(block)
-        if b_end <= start:
-            continue
-        if off >= end:
-            break
-        parts.append(block[max(start - off, 0) : min(end, b_end) - off])
-    return parts[0] if len(parts) == 1 else b"".join(parts)
-
 
 class _StreamIngest:
     """One stream through the pipeline (see module docs).
 
     Blocks read from a file are recycled: a block is reused once the splitter has passed
-    it, every batch holding its chunks has been drained and the pack writes that may
+    it, every job holding its chunks has been drained, and the pack writes that may
     reference it (raw chunks are written straight from the block) have completed.
     """
 
@@ -352,16 +481,17 @@ class _StreamIngest:
         self.chunker = writer.repo.chunker
         self.splitter = Splitter(self.chunker)
         self.src = src
-        self.window: deque[tuple[int, memoryview]] = deque()  # blocks not yet fully cut
-        self.scans: deque[tuple[int, memoryview, Future[Candidates]]] = deque()
-        self.jobs: deque[tuple[int, Future[list[tuple[bytes, int, Any, int]]]]] = deque()
-        self.writes: deque[tuple[int, Future[int] | None]] = deque()
+        # blocks not yet fully cut: (offset, block, zero-page prefix counts or None)
+        self.window: deque[tuple[int, memoryview, np.ndarray | None]] = deque()
+        self.scans: deque[tuple[int, memoryview, Future[tuple[Candidates, np.ndarray | None]]]] \
+            = deque()
+        self.jobs: deque[tuple[int, Future[JobResult]]] = deque()  # (end offset, job)
+        self.writes: deque[tuple[int, Future[None] | None]] = deque()  # (end offset, write)
         self.held: deque[tuple[int, bytearray]] = deque()  # (end offset, pooled buffer)
         self.free = writer._buffers  # shared by the writer's streams
         self.written_end = 0
+        self.chunk_start = 0
         self.ids: list[bytes] = []
-        self.batch: list[memoryview | bytes] = []
-        self.batch_bytes = 0
         self.total = 0
 
     def run(self) -> tuple[list[bytes], int]:
@@ -369,7 +499,7 @@ class _StreamIngest:
         chunker = self.chunker
         offset, tail = 0, b""
         for block in self._blocks():
-            self.scans.append((offset, block, self.w._submit(chunker.scan, block, offset, tail)))
+            self.scans.append((offset, block, self.w._submit(_scan, chunker, block, offset, tail)))
             offset += len(block)
             if chunker.overlap:
                 tail = bytes(block[-chunker.overlap :])
@@ -377,9 +507,7 @@ class _StreamIngest:
                 self._take_scan()
         while self.scans:
             self._take_scan()
-        self._emit(self.splitter.finish())
-        if self.batch:
-            self._submit_batch()
+        self._cut(self.splitter.finish())
         self._drain(0)
         if self.total != offset:
             raise AssertionError(f"ingest lost bytes: {self.total} != {offset}")
@@ -412,60 +540,139 @@ class _StreamIngest:
                 end += n
                 self.held.append((end, buf))
                 yield view[:n]
+            else:
+                self.free.append(buf)
             if n < BLOCK:
                 return
 
     def _recycle(self) -> None:
         while self.writes and (self.writes[0][1] is None or self.writes[0][1].done()):
             self.written_end = self.writes.popleft()[0]
-        limit = min(self.written_end, self.splitter.start)
-        while self.held and self.held[0][0] <= limit and not self.jobs_hold(self.held[0][0]):
+        limit = min(self.written_end, self.chunk_start)
+        while self.held and self.held[0][0] <= limit:
             self.free.append(self.held.popleft()[1])
-
-    def jobs_hold(self, end: int) -> bool:
-        """Whether a batch not yet written may still reference bytes before ``end``."""
-        return bool(self.batch) and self.splitter.start - self.batch_bytes < end
 
     def _take_scan(self) -> None:
         off, block, fut = self.scans.popleft()
-        self.window.append((off, block))
-        self._emit(self.splitter.feed(len(block), fut.result()))
+        cands, zprefix = fut.result()
+        self.window.append((off, block, zprefix))
+        self._cut(self.splitter.feed(len(block), cands))
 
-    def _emit(self, ends: list[int]) -> None:
+    def _cut(self, ends: list[int]) -> None:
+        """Turn decided chunk ends into jobs of ~BATCH bytes (per block, not per chunk:
+        the workers slice the chunks out of the block)."""
+        if not ends:
+            return
+        window = self.window
         start = self.chunk_start
-        for end in ends:
-            self.batch.append(_slice(self.window, start, end))
-            self.batch_bytes += end - start
-            start = end
-            self.chunk_start = start
-            if self.batch_bytes >= BATCH:
-                self._submit_batch()
-                self._drain(self.w.threads * 2)
-        while self.window and self.window[0][0] + len(self.window[0][1]) <= start:
-            self.window.popleft()
+        segments: list[Segment] = []
+        seg_bytes = 0
+        i, n = 0, len(ends)
+        k = 0
+        while i < n:
+            while window[k][0] + len(window[k][1]) <= start:
+                k += 1
+            off, block, zprefix = window[k]
+            b_end = off + len(block)
+            j = bisect.bisect_right(ends, min(b_end, start + BATCH - seg_bytes), i, n)
+            if j == i and ends[i] > b_end:  # this chunk spans blocks: copy it out
+                data = memoryview(_join(window, k, start, ends[i]))
+                segments.append((data, start, start, [ends[i]], None))
+                seg_bytes += ends[i] - start
+                start = ends[i]
+                i += 1
+            else:
+                j = max(j, i + 1)  # one chunk larger than what is left of the batch
+                segments.append((block, off, start, ends[i:j], zprefix))
+                seg_bytes += ends[j - 1] - start
+                start = ends[j - 1]
+                i = j
+            if seg_bytes >= BATCH or i == n:
+                self._submit_job(segments, start)
+                segments, seg_bytes = [], 0
+        self.chunk_start = start
+        while window and window[0][0] + len(window[0][1]) <= start:
+            window.popleft()
 
-    chunk_start = 0
-
-    def _submit_batch(self) -> None:
-        self.jobs.append((self.chunk_start, self.w._submit(self.w._process, self.batch)))
-        self.batch, self.batch_bytes = [], 0
+    def _submit_job(self, segments: list[Segment], end: int) -> None:
+        self.jobs.append((end, self.w._submit(self.w._process, segments)))
+        self._drain(self.w.threads * 2)
 
     def _drain(self, limit: int) -> None:
         w = self.w
         while len(self.jobs) > limit:
             end, job = self.jobs.popleft()
-            result = job.result()
-            new: list[tuple[int, bytes, Any, int, int]] = []
-            fresh: set[bytes] = set()
-            for oid, raw_len, payload, comp in result:
-                self.ids.append(oid)
-                self.total += raw_len
-                if payload is not None and oid not in w._written and oid not in fresh:
-                    fresh.add(oid)
-                    new.append((CHUNK, oid, payload, comp, raw_len))
-            w.stats.chunks += len(result)
+            ids, total, new, payloads, comps, raws = job.result()
+            self.ids += ids
+            self.total += total
+            w.stats.chunks += len(ids)
+            if new:
+                with w._written_lock:
+                    written = w._written
+                    if any(i in written for i in new):  # another job stored them meanwhile
+                        keep = [k for k, i in enumerate(new) if i not in written]
+                        new = [new[k] for k in keep]
+                        payloads = [payloads[k] for k in keep]
+                        comps = [comps[k] for k in keep]
+                        raws = [raws[k] for k in keep]
+                    written.update(new)
             w.stats.new_chunks += len(new)
-            self.writes.append((end, w._put_many(new)))
+            self.writes.append((end, w._put(CHUNK, new, payloads, comps, raws) if new else None))
+
+
+def _sample(chunk: memoryview) -> bytes:
+    """1/8 of a chunk for probing: PROBE_PIECE bytes of each 4 KiB page."""
+    return b"".join([chunk[i : i + PROBE_PIECE]
+                     for i in range(PROBE_AT, len(chunk) - PROBE_PIECE + 1, 4096)])
+
+
+def _scan(chunker: Any, block: memoryview, offset: int, tail: bytes
+          ) -> tuple[Candidates, np.ndarray | None]:
+    """Worker job: candidate cuts of a block, and where its all-zero pages are."""
+    return chunker.scan(block, offset, tail), _zero_prefix(block)
+
+
+def _zero_prefix(block: memoryview) -> np.ndarray | None:
+    """Prefix counts of all-zero pages of ``block`` (``p[i]`` = zero pages among its first
+    ``i``), or None if it has none. Zero pages are common in memory images (and pagecdc
+    cuts runs of them into many minimal chunks), so their chunks are worth not hashing."""
+    npages = len(block) // PAGE
+    if not npages:
+        return None
+    words = np.frombuffer(block, dtype=np.uint64, count=npages * (PAGE // 8))
+    words = words.reshape(npages, PAGE // 8)
+    cand = np.flatnonzero(words[:, 0] == 0)  # one word per page first: cheap
+    if not len(cand):
+        return None
+    cand = cand[~words[cand].any(axis=1)]
+    if not len(cand):
+        return None
+    flags = np.zeros(npages + 1, dtype=np.int32)
+    flags[cand + 1] = 1
+    return np.cumsum(flags, dtype=np.int32)
+
+
+def _zero_chunks(zprefix: np.ndarray, start: int, ends: list[int], base: int) -> list[bool]:
+    """Which chunks (``start``, then ``ends``, offsets relative to the buffer after
+    subtracting ``base``) consist of whole all-zero pages."""
+    e = np.asarray(ends, dtype=np.int64) - base
+    s = np.empty_like(e)
+    s[0] = start
+    s[1:] = e[:-1]
+    last = len(zprefix) - 1
+    sp, ep = s // PAGE, np.minimum(e // PAGE, last)
+    whole = ((s % PAGE) == 0) & ((e % PAGE) == 0) & (e // PAGE <= last)
+    return (whole & (zprefix[ep] - zprefix[sp] == ep - sp)).tolist()
+
+
+def _join(window: deque[tuple[int, memoryview, Any]], k: int, start: int, end: int) -> bytes:
+    """Bytes [start, end) of the stream from the blocks ``window[k:]``."""
+    parts: list[memoryview] = []
+    for off, block, _z in list(window)[k:]:
+        if off >= end:
+            break
+        parts.append(block[max(start - off, 0) : min(end, off + len(block)) - off])
+    return b"".join(parts)
 
 
 def _read_blocks(f: IO[bytes]) -> Iterator[memoryview]:

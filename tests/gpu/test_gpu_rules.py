@@ -5,6 +5,8 @@ real driver path runs on the GPU machine (tests/gpu/test_gpu_kernel.py)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from infinijup.errors import PreflightRefused
@@ -118,3 +120,41 @@ def test_failed_suspend_resumes_what_was_suspended(monkeypatch):
     with pytest.raises(RuntimeError):
         run_stages([cuda_stage.CudaSuspend(1), CriuFails()], object(), lambda *a: None)
     assert [c for c in fake2.calls if c[0] == "resume"] == [("resume", 1), ("resume", 2), ("resume", 3)]
+
+
+def test_gpu_restore_plan(monkeypatch):
+    from infinijup.errors import BadRequest
+    from infinijup.gpu import restore_rules
+
+    a, b = "GPU-aaaaaaaa-0000-0000-0000-000000000000", "GPU-bbbbbbbb-0000-0000-0000-000000000000"
+    c = "GPU-cccccccc-0000-0000-0000-000000000000"
+    here = fp(gpu(0, uuid=a), gpu(1, uuid=b))
+    monkeypatch.setattr(restore_rules, "read_nvml", lambda: GpuReport(here, ()))
+    meta = {"gpu": {"fingerprint": here.to_json()}}
+    assert restore_rules.plan_gpu_restore({}) == ()  # a CPU snapshot
+    assert restore_rules.plan_gpu_restore(meta) == ()  # same GPUs: nothing moves
+    # Moving GPU a onto b swaps them: the map stays a permutation.
+    assert restore_rules.plan_gpu_restore(meta, requested={a: b}) == ((a, b), (b, a))
+    # Saved on another machine's GPU of the same model: mapped onto the first free one here.
+    elsewhere = {"gpu": {"fingerprint": fp(gpu(0, uuid=c)).to_json()}}
+    assert restore_rules.plan_gpu_restore(elsewhere) == ((c, a),)
+    with pytest.raises(BadRequest):
+        restore_rules.plan_gpu_restore(meta, requested={c: a})
+    h200 = {"gpu": {"fingerprint": fp(gpu(0, name="NVIDIA H200", uuid=c)).to_json()}}
+    with pytest.raises(PreflightRefused) as e:
+        restore_rules.plan_gpu_restore(h200)
+    assert e.value.reason == "gpu_mismatch"
+    assert restore_rules.plan_gpu_restore(h200, force=True) == ()  # nothing of that model here
+
+
+def test_helper_protocol_validates_gpu_maps():
+    from infinijup_helper.protocol import RequestError, parse_request
+
+    ok = {"v": 1, "id": 1, "op": "restore", "args": {
+        "images_dir": "/x", "gpu_map": [["GPU-aaaaaaaa-0000-0000-0000-000000000000",
+                                         "GPU-bbbbbbbb-0000-0000-0000-000000000000"]]}}
+    assert parse_request(json.dumps(ok).encode()).args.gpu_map[0][1].startswith("GPU-bbbb")
+    for bad in (["GPU-1"], [["GPU-x", "GPU-y"]], "GPU", [[1, 2]]):
+        req = {**ok, "args": {"images_dir": "/x", "gpu_map": bad}}
+        with pytest.raises(RequestError):
+            parse_request(json.dumps(req).encode())

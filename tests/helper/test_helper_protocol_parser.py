@@ -147,7 +147,7 @@ requests = st.fixed_dictionaries(
 
 
 @settings(
-    max_examples=300,
+    max_examples=1000,
     deadline=None,
     database=None,
     suppress_health_check=[HealthCheck.too_slow],
@@ -162,10 +162,73 @@ def test_fuzz_structured_requests(message: dict) -> None:
         assert req.op in p.OPS
 
 
-@settings(max_examples=300, deadline=None, database=None)
+@settings(max_examples=1000, deadline=None, database=None)
 @given(st.binary(max_size=300) | st.text(alphabet=string.printable, max_size=300).map(str.encode))
 def test_fuzz_raw_bytes(line: bytes) -> None:
     try:
         p.parse_request(line)
     except p.RequestError as exc:
         assert exc.reason in PROTOCOL_REASONS
+
+
+# Well-typed-looking requests per op, with hostile values: whatever parses is bounded and
+# typed exactly as the ops expect (so nothing odd reaches the code that runs as root).
+hostile_text = st.one_of(
+    st.text(max_size=40),
+    st.sampled_from(["/", "..", "/etc/shadow", "a\x00b", "\ud800", "x" * 5000, "A=B", ""]),
+)
+hostile_int = st.one_of(
+    st.integers(-(2**64), 2**64), st.sampled_from([0, 1, p.MAX_PID, p.MAX_PID + 1, 2**53])
+)
+hostile_value = st.one_of(
+    hostile_text, hostile_int, st.booleans(), st.none(),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.lists(hostile_text, max_size=3), st.dictionaries(hostile_text, hostile_text, max_size=3),
+)
+op_requests = st.sampled_from(sorted(p.OPS)).flatmap(
+    lambda op: st.fixed_dictionaries({
+        "v": st.just(1),
+        "id": st.integers(0, p.MAX_ID),
+        "op": st.just(op),
+        "args": st.dictionaries(st.sampled_from(sorted(p.ARG_SPECS[op][1]) or ["x"]),
+                                hostile_value, max_size=4),
+    })
+)
+
+
+def _bounded_text(value: object, limit: int) -> None:
+    assert isinstance(value, str) and "\x00" not in value and len(value) <= limit
+    value.encode("utf-8")  # no lone surrogates
+
+
+@settings(max_examples=1500, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(op_requests)
+def test_fuzz_parsed_arguments_are_typed_and_bounded(message: dict) -> None:
+    try:
+        req = p.parse_request(json.dumps(message).encode())
+    except p.RequestError as exc:
+        assert exc.reason == "bad_request", exc
+        assert exc.request_id == message["id"]
+        return
+    args = req.args
+    assert type(args) is p.ARG_SPECS[req.op][0]
+    for name in ("pid", "replace_pid"):
+        value = getattr(args, name, None)
+        assert value is None or (type(value) is int and 1 <= value <= p.MAX_PID)
+    for name in ("images_dir", "cwd", "log_path", "path"):
+        if hasattr(args, name):
+            _bounded_text(getattr(args, name), p.MAX_PATH_CHARS)
+            assert getattr(args, name)
+    if isinstance(args, p.SignalArgs):
+        assert args.signum in p.SIGNALS
+    if isinstance(args, p.DumpArgs):
+        assert type(args.leave_running) is bool
+    if isinstance(args, p.SpawnArgs):
+        assert args.argv and args.argv[0]
+        for item in args.argv:
+            _bounded_text(item, p.MAX_LINE_BYTES)
+        for key, value in args.env.items():
+            _bounded_text(key, p.MAX_PATH_CHARS)
+            _bounded_text(value, p.MAX_LINE_BYTES)
+            assert key and "=" not in key

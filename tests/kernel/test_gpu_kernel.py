@@ -8,7 +8,7 @@ import os
 import shutil
 
 import pytest
-from conftest import needs_helper
+from kernelkit import needs_helper
 
 HAS_GPU = os.path.exists("/dev/nvidiactl") and shutil.which("nvidia-smi") is not None
 
@@ -156,3 +156,31 @@ async def test_gpu_release_and_reacquire_in_place(notebook, jp_serverapp, helper
     assert before > 256 * 2**20 and after == 0, (before, after)
     helper.gpu(root, "reacquire")
     assert await nb.value("hashlib.sha256(v.cpu().numpy().tobytes()).hexdigest() == d")
+
+
+def _gpu_count() -> int:
+    if not HAS_GPU:
+        return 0
+    import subprocess
+
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+@pytest.mark.skipif(_gpu_count() < 2, reason="needs two GPUs of one model")
+async def test_restore_onto_another_gpu(notebook, jp_serverapp):
+    from infinijup.gpu.preflight import read_nvml
+    from infinijup_helper.cuda_stage import tree_pids
+
+    nb = notebook
+    await nb.execute("import torch, hashlib; w = torch.randn(32 * 2**20, device='cuda:0'); "
+                     "d = hashlib.sha256(w.cpu().numpy().tobytes()).hexdigest()")
+    snap = await nb.snapshot(message="on GPU 0")
+    report = read_nvml()
+    first, second = report.fingerprint.gpus[0].uuid, report.fingerprint.gpus[1].uuid
+    await nb.restore(snap["commit"], gpu_map={first: second})
+    root = jp_serverapp.kernel_manager.get_kernel(nb.kernel_id).provisioner.root_pid
+    usage = read_nvml().usage_by_gpu(set(tree_pids(root)))
+    assert usage.get(second, 0) > 100 * 2**20 and usage.get(first, 0) == 0, usage
+    assert await nb.value("hashlib.sha256(w.cpu().numpy().tobytes()).hexdigest() == d")
+    assert await nb.value("float((w * 2).sum()) == float(w.sum()) * 2")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from conftest import needs_helper
+from kernelkit import needs_helper
 
 pytestmark = [needs_helper, __import__("pytest").mark.timeout(240)]
 

@@ -1,0 +1,111 @@
+"""Finding a kernel tree that a restore left behind when the helper died mid-restore.
+
+The helper runs CRIU as a child; if the helper is killed while CRIU restores a kernel, CRIU
+carries on and the restored tree comes up (re-parented to init) although nobody got its pid:
+the server sees ``helper_disconnected``. That tree listens on the kernel's own ports (they are
+in the snapshot), so it is found by its listening shell port: the process holding that socket,
+owned by us, below a helper-started init (``nsinit.py --owner UID``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+_LISTEN = "0A"
+_NSINIT = "nsinit.py"
+
+
+def _listening_inodes(port: int) -> set[str]:
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    fields = line.split()
+                    if fields[3] != _LISTEN:  # (CRIU creates them as root: no uid check)
+                        continue
+                    if int(fields[1].rsplit(":", 1)[1], 16) == port:
+                        inodes.add(fields[9])
+        except (OSError, ValueError, IndexError):
+            continue
+    return inodes
+
+
+def _holder(inodes: set[str]) -> int | None:
+    wanted = {f"socket:[{i}]" for i in inodes}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            for fd in os.listdir(f"/proc/{name}/fd"):
+                if os.readlink(f"/proc/{name}/fd/{fd}") in wanted:
+                    return int(name)
+        except OSError:
+            continue
+    return None
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("PPid:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def tree_root_of(pid: int, uid: int) -> int | None:
+    """The helper-started init above ``pid`` that belongs to ``uid``, if any."""
+    seen = 0
+    while pid and pid > 1 and seen < 8:
+        argv = _cmdline(pid)
+        if any(a.endswith(_NSINIT) for a in argv) and argv[-2:] == ["--owner", str(uid)]:
+            return pid
+        pid = _ppid(pid) or 0
+        seen += 1
+    return None
+
+
+def _criu_running() -> bool:
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            argv = _cmdline(int(name))
+            if len(argv) >= 2 and os.path.basename(argv[0]) == "criu" and argv[1] == "swrk":
+                return True
+    return False
+
+
+def find_restored_tree(shell_port: int, uid: int | None = None, grace: float = 5.0,
+                       timeout: float = 30.0) -> int | None:
+    """The root pid of a tree serving ``shell_port`` for ``uid`` (default: ours).
+
+    Looks for ``grace`` seconds, and on while some CRIU is still at work (the orphaned
+    restore may not have bound the port yet) or the port is bound by a task not yet found,
+    at most ``timeout`` seconds in all.
+    """
+    uid = os.geteuid() if uid is None else uid
+    start = time.monotonic()
+    while True:
+        busy = _criu_running()
+        inodes = _listening_inodes(shell_port)
+        holder = _holder(inodes) if inodes else None
+        if holder is not None:
+            root = tree_root_of(holder, uid)
+            if root is not None:
+                return root
+        elapsed = time.monotonic() - start
+        if elapsed > timeout or (elapsed > grace and not busy and not inodes):
+            return None
+        time.sleep(0.05)

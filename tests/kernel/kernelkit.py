@@ -1,0 +1,159 @@
+"""Tools for the kernel tests: a real Jupyter server with Infinijup, a real helper daemon, real
+kernels under CRIU. A unique module name (not ``conftest``), so test modules of any directory
+import it without clashing with other directories' conftest modules."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helper"))
+from helperkit import MISSING, HelperDaemon, make_base  # noqa: E402
+
+needs_helper = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+
+
+@pytest.fixture(scope="session")
+def helper_daemon():
+    if MISSING:
+        pytest.skip(MISSING)
+    daemon = HelperDaemon(make_base())
+    daemon.start()
+    yield daemon
+    daemon.stop()
+    shutil.rmtree(daemon.base, ignore_errors=True)
+
+
+@pytest.fixture
+def jp_server_config(helper_daemon, tmp_path, monkeypatch):
+    monkeypatch.setenv("INFINIJUP_HELPER_SOCKET", helper_daemon.socket_path)
+    monkeypatch.setenv("INFINIJUP_STORE", str(tmp_path / "store"))
+    monkeypatch.setenv("INFINIJUP_RESULTS_DIR", str(tmp_path / "results"))
+    return {
+        "ServerApp": {"jpserver_extensions": {"infinijup": True},
+                      "allow_unauthenticated_access": False},
+        "SnapshotManager": {"busy_timeout": 2.0},
+    }
+
+
+@pytest.fixture
+def infinijup_kernelspec(jp_data_dir):
+    spec = jp_data_dir / "kernels" / "infinijup"
+    spec.mkdir(parents=True, exist_ok=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "infinijup.kernel_magics.launch", "-f", "{connection_file}"],
+        "display_name": "Python 3 (Infinijup)",
+        "language": "python",
+        "metadata": {"kernel_provisioner": {"provisioner_name": "infinijup-provisioner"}},
+    }))
+    return "infinijup"
+
+
+class Notebook:
+    """A notebook's view of the server: a session, its kernel's websocket, REST calls."""
+
+    def __init__(self, fetch, ws_fetch, path: str) -> None:
+        self.fetch, self.ws_fetch, self.path = fetch, ws_fetch, path
+        self.session = uuid.uuid4().hex
+        self.kernel_id = ""
+        self.ws = None
+
+    async def start(self, kernel_name: str) -> Notebook:
+        r = await self.fetch("api", "sessions", method="POST", body=json.dumps(
+            {"path": self.path, "type": "notebook", "name": self.path,
+             "kernel": {"name": kernel_name}}))
+        self.kernel_id = json.loads(r.body)["kernel"]["id"]
+        self.ws = await self.ws_fetch("api", "kernels", self.kernel_id, "channels",
+                                      params={"session_id": self.session})
+        await self.execute("1", timeout=60)  # the kernel answers
+        return self
+
+    def _msg(self, msg_type: str, content: dict, channel: str = "shell") -> dict:
+        return {"header": {"msg_id": uuid.uuid4().hex, "msg_type": msg_type, "username": "test",
+                           "session": self.session, "date": "", "version": "5.3"},
+                "parent_header": {}, "metadata": {}, "content": content, "channel": channel,
+                "buffers": []}
+
+    def send_execute(self, code: str) -> str:
+        msg = self._msg("execute_request", {"code": code, "silent": False, "store_history": True,
+                                            "user_expressions": {}, "allow_stdin": False,
+                                            "stop_on_error": True})
+        self.ws.write_message(json.dumps(msg))
+        return msg["header"]["msg_id"]
+
+    async def collect(self, msg_id: str, timeout: float = 30) -> dict:
+        """Outputs of one execute request: stdout text, result, reply, once idle again."""
+        out = {"stdout": "", "result": None, "reply": None, "error": None}
+        idle = False
+        deadline = time.monotonic() + timeout
+        import asyncio
+
+        while not (idle and out["reply"] is not None):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no complete answer to {msg_id} in {timeout} s: {out}")
+            raw = await asyncio.wait_for(self.ws.read_message(), left)
+            assert raw is not None, "the kernel websocket closed"
+            msg = json.loads(raw)
+            if msg.get("parent_header", {}).get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream" and content["name"] == "stdout":
+                out["stdout"] += content["text"]
+            elif kind == "execute_result":
+                out["result"] = content["data"].get("text/plain")
+            elif kind == "error":
+                out["error"] = f"{content['ename']}: {content['evalue']}"
+            elif kind == "execute_reply":
+                out["reply"] = content
+            elif kind == "status" and content["execution_state"] == "idle":
+                idle = True
+        return out
+
+    async def execute(self, code: str, timeout: float = 30) -> dict:
+        out = await self.collect(self.send_execute(code), timeout)
+        assert out["error"] is None, out["error"]
+        return out
+
+    async def value(self, expr: str):
+        out = await self.execute(f"print(repr({expr}))")
+        return eval(out["stdout"].strip())  # noqa: S307 - our own test values
+
+    async def post(self, route: str, body: dict):
+        return await self.fetch("infinijup", route, method="POST", body=json.dumps(body),
+                                raise_error=False)
+
+    async def snapshot(self, **body) -> dict:
+        r = await self.post("snapshot", {"kernel_id": self.kernel_id, **body})
+        assert r.code == 201, r.body
+        return json.loads(r.body)
+
+    async def restore(self, commit: str, **body) -> dict:
+        r = await self.post("restore", {"kernel_id": self.kernel_id, "commit": commit, **body})
+        assert r.code == 200, r.body
+        return json.loads(r.body)
+
+    async def history(self) -> dict:
+        r = await self.fetch("infinijup", "history", params={"kernel_id": self.kernel_id})
+        return json.loads(r.body)
+
+    async def close(self) -> None:
+        if self.ws is not None:
+            self.ws.close()
+        if self.kernel_id:
+            await self.fetch("api", "kernels", self.kernel_id, method="DELETE", raise_error=False)
+
+
+@pytest.fixture
+def notebook(jp_fetch, jp_ws_fetch, jp_serverapp, infinijup_kernelspec, jp_asyncio_loop):
+    # pytest-jupyter runs async tests on its own loop: drive the fixture's coroutines there.
+    nb = Notebook(jp_fetch, jp_ws_fetch, "story.ipynb")
+    jp_asyncio_loop.run_until_complete(nb.start(infinijup_kernelspec))
+    yield nb
+    jp_asyncio_loop.run_until_complete(nb.close())

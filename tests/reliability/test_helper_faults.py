@@ -1,0 +1,282 @@
+"""SIGKILL of the privileged helper at each point of a snapshot and a restore, and helper
+restarts while kernels run. Real server, real helper, real kernels holding 300 MiB, real CRIU.
+
+After each fault: ``infinijup store check --read-data`` passes, no partial commit is visible,
+the kernel runs with its state intact, and, with a helper started again on the same socket and
+work dir, the next snapshot and restore work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+
+import psutil
+import pytest
+from reliakit import (
+    PhaseWatch,
+    assert_store_ok,
+    fill,
+    ipykernel_pid,
+    needs_helper,
+    provisioner,
+    state_intact,
+    store_state,
+    until,
+    wait_gone,
+)
+
+pytestmark = [needs_helper, pytest.mark.timeout(240)]
+
+MIB = 300
+
+
+async def prepare(nb, seed: int) -> tuple[str, dict]:
+    """A first snapshot (so the store exists and has history), then 300 MiB of new data."""
+    await nb.execute("x = 'base'")
+    base = await nb.snapshot(message="base")
+    digest = await fill(nb, MIB, seed)
+    await nb.execute("x = 'current'")
+    return digest, base
+
+
+async def next_snapshot_and_restore_work(nb, rhelper, digest: str) -> None:
+    """A helper serving again, the next snapshot and a restore of it work."""
+    rhelper.ensure_running()
+    assert rhelper.staging_entries() == []  # a new helper clears what a dead one left
+    await nb.execute("y = 'after'")
+    snap = await nb.snapshot(message="after the fault")
+    await nb.execute("y = 'changed'")
+    await nb.restore(snap["commit"])
+    await state_intact(nb, digest, {"x": "current", "y": "after"})
+    assert rhelper.user_entries() == {"images": [], "restore": []}
+
+
+async def test_helper_killed_during_quiesce(notebook, jp_serverapp, rhelper, store_path):
+    nb = notebook
+    digest, _ = await prepare(nb, seed=21)
+    await nb.execute("import time\nfrom infinijup.kernel_magics import register_quiesce_hook\n"
+                     "register_quiesce_hook(lambda: time.sleep(1.0))")
+    before = store_state(store_path)
+    watch = PhaseWatch(jp_serverapp, nb.kernel_id)
+    task = asyncio.ensure_future(nb.post("snapshot", {"kernel_id": nb.kernel_id}))
+    await watch.wait({"quiesce"})
+    rhelper.kill()
+    r = await task
+    assert r.code == 503, r.body
+    body = json.loads(r.body)
+    assert body["reason"] == "helper_unavailable" and "sudo make helper" in body["message"]
+    assert store_state(store_path) == before
+    assert_store_ok(store_path)
+    await state_intact(nb, digest, {"x": "current"})
+    await next_snapshot_and_restore_work(nb, rhelper, digest)
+
+
+async def test_helper_killed_during_criu_dump(notebook, jp_serverapp, rhelper, store_path):
+    nb = notebook
+    digest, _ = await prepare(nb, seed=22)
+    before = store_state(store_path)
+    watch = PhaseWatch(jp_serverapp, nb.kernel_id)
+    task = asyncio.ensure_future(nb.post("snapshot", {"kernel_id": nb.kernel_id}))
+    await watch.wait({"dump"})
+    await until(rhelper.criu_children, 30, "CRIU to start dumping", interval=0.002)
+    orphans = rhelper.kill()
+    assert orphans, "CRIU was running when the helper was killed"
+    r = await task
+    assert r.code == 500, r.body
+    assert json.loads(r.body)["reason"] == "helper_disconnected"
+    # The orphaned CRIU finishes its dump and lets the kernel go: the kernel is not left frozen.
+    wait_gone(orphans)
+    await state_intact(nb, digest, {"x": "current"})
+    assert store_state(store_path) == before
+    assert_store_ok(store_path)
+    await next_snapshot_and_restore_work(nb, rhelper, digest)
+
+
+async def test_helper_killed_during_store_ingest(notebook, jp_serverapp, rhelper, store_path):
+    """The helper has done its part when ingest runs: the snapshot completes without it."""
+    nb = notebook
+    digest, base = await prepare(nb, seed=23)
+    before = store_state(store_path)
+    watch = PhaseWatch(jp_serverapp, nb.kernel_id)
+    task = asyncio.ensure_future(nb.post("snapshot", {"kernel_id": nb.kernel_id}))
+    await watch.wait({"store"})
+    rhelper.kill()
+    r = await task
+    assert r.code == 201, r.body
+    snap = json.loads(r.body)
+    after = store_state(store_path)
+    assert after["commits"] == sorted(before["commits"] + [snap["commit"]])
+    assert_store_ok(store_path)
+    await state_intact(nb, digest, {"x": "current"})
+    rhelper.ensure_running()
+    await nb.execute("x = 'changed'")
+    await nb.restore(snap["commit"])  # the commit made while the helper died is whole
+    await state_intact(nb, digest, {"x": "current"})
+    await next_snapshot_and_restore_work(nb, rhelper, digest)
+
+
+async def test_helper_killed_during_restore_checkout(notebook, jp_serverapp, rhelper,
+                                                     store_path):
+    """Killed before the kernel is touched: the running kernel is kept, the reason shown."""
+    nb = notebook
+    digest, _ = await prepare(nb, seed=24)
+    big = await nb.snapshot(message="300 MiB to check out")
+    root = provisioner(jp_serverapp, nb.kernel_id).root_pid
+    before = store_state(store_path)
+    watch = PhaseWatch(jp_serverapp, nb.kernel_id)
+    task = asyncio.ensure_future(nb.post("restore", {"kernel_id": nb.kernel_id,
+                                                     "commit": big["commit"]}))
+    await watch.wait({"store"})
+    rhelper.kill()
+    r = await task
+    assert r.code == 500, r.body
+    body = json.loads(r.body)
+    assert body["reason"] == "helper_unavailable" and "sudo make helper" in body["message"]
+    assert provisioner(jp_serverapp, nb.kernel_id).root_pid == root
+    await state_intact(nb, digest, {"x": "current"})
+    assert store_state(store_path) == before
+    assert_store_ok(store_path)
+    await next_snapshot_and_restore_work(nb, rhelper, digest)
+
+
+async def start_restore_to_interrupt(nb, jp_serverapp, rhelper, store_path, seed: int):
+    """A kernel with 300 MiB snapshotted as x == 'snapshotted', then moved on; a restore of
+    that snapshot is started and has reached CRIU when this returns."""
+    digest, _ = await prepare(nb, seed=seed)
+    await nb.execute("x = 'snapshotted'")
+    snap = await nb.snapshot(message="to restore")
+    await nb.execute("x = 'moved on'")
+    ctx = {"digest": digest, "snap": snap, "before": store_state(store_path),
+           "old_root": provisioner(jp_serverapp, nb.kernel_id).root_pid}
+    watch = PhaseWatch(jp_serverapp, nb.kernel_id)
+    ctx["task"] = asyncio.ensure_future(nb.post("restore", {"kernel_id": nb.kernel_id,
+                                                            "commit": snap["commit"]}))
+    await watch.wait({"restore"})
+    ctx["criu"] = await until(rhelper.criu_children, 30, "CRIU to start restoring",
+                              interval=0.001)
+    return ctx
+
+
+async def check_interrupted_restore(nb, jp_serverapp, rhelper, store_path, ctx) -> str:
+    """What must hold after the helper died mid-restore, whichever way it went: either the
+    tree CRIU restored was adopted (the restore completed) or nothing was restored, the
+    kernel is reported dead with the reason and restarts once the helper is back. Never an
+    untracked kernel holding the notebook's ports. Returns "adopted" or "restarted"."""
+    r = await ctx["task"]
+    wait_gone(ctx["criu"])
+    km = jp_serverapp.kernel_manager.get_kernel(nb.kernel_id)
+    port = km.get_connection_info()["shell_port"]
+    assert not psutil.pid_exists(ctx["old_root"])
+    if r.code == 200:
+        outcome = "adopted"
+        assert json.loads(r.body)["phases"]["adopted"] is True
+        root = provisioner(jp_serverapp, nb.kernel_id).root_pid
+        assert [c.pid for c in listeners(port)] == [ipykernel_pid(root)]
+        await state_intact(nb, ctx["digest"], {"x": "snapshotted"})
+    else:
+        outcome = "restarted"
+        assert r.code == 500, r.body
+        body = json.loads(r.body)
+        assert body["reason"] == "helper_disconnected", body
+        assert "restarting the kernel failed too" in body["message"], body
+        assert listeners(port) == []  # nothing half-restored holds the ports
+        model = json.loads((await nb.fetch("api", "kernels", nb.kernel_id)).body)
+        assert model["execution_state"] == "dead" and "helper" in model["reason"], model
+        rhelper.ensure_running()
+        r = await nb.fetch("api", "kernels", nb.kernel_id, "restart", method="POST", body="")
+        assert r.code == 200
+        assert await nb.value("globals().get('x')") is None  # a fresh kernel
+        await nb.restore(ctx["snap"]["commit"])  # and the snapshot is there for it
+        await state_intact(nb, ctx["digest"], {"x": "snapshotted"})
+    assert store_state(store_path) == ctx["before"]
+    assert_store_ok(store_path)
+    await nb.execute("x = 'current'")
+    await next_snapshot_and_restore_work(nb, rhelper, ctx["digest"])
+    return outcome
+
+
+async def test_helper_killed_after_criu_restored(notebook, jp_serverapp, rhelper, store_path):
+    """The worst moment: CRIU has restored the tree (the old kernel is gone) but the helper
+    dies before it answers. The server finds the restored tree and adopts it."""
+    ctx = await start_restore_to_interrupt(notebook, jp_serverapp, rhelper, store_path, 25)
+    rhelper.daemon.proc.send_signal(signal.SIGSTOP)  # hold the answer back...
+    await until(lambda: all(_exited(p) for p in ctx["criu"]), 60, "CRIU to finish")
+    rhelper.kill()  # ...and die with it
+    outcome = await check_interrupted_restore(notebook, jp_serverapp, rhelper, store_path, ctx)
+    assert outcome == "adopted"
+
+
+async def test_helper_and_criu_killed_at_criu_start(notebook, jp_serverapp, rhelper,
+                                                    store_path):
+    """The helper and its CRIU die together (as a service manager kills a whole cgroup) as
+    CRIU starts: the old kernel is gone and nothing was restored."""
+    ctx = await start_restore_to_interrupt(notebook, jp_serverapp, rhelper, store_path, 26)
+    for proc in ctx["criu"]:
+        proc.kill()
+    rhelper.kill()
+    outcome = await check_interrupted_restore(notebook, jp_serverapp, rhelper, store_path, ctx)
+    assert outcome == "restarted"
+
+
+async def test_helper_killed_during_criu_restore(notebook, jp_serverapp, rhelper, store_path):
+    """A plain SIGKILL of the helper once CRIU has created the restored tree. Depending on how
+    far CRIU got, the tree dies with the helper (CRIU's parent-death signal on it) or lives on:
+    either outcome must be handled (see check_interrupted_restore)."""
+    ctx = await start_restore_to_interrupt(notebook, jp_serverapp, rhelper, store_path, 27)
+    kids = {p.pid for p in psutil.Process(rhelper.pid).children()}
+    await until(lambda: {p.pid for p in psutil.Process(rhelper.pid).children()} - kids, 30,
+                "CRIU to create the restored tree (a child of the helper)", interval=0.001)
+    rhelper.kill()
+    outcome = await check_interrupted_restore(notebook, jp_serverapp, rhelper, store_path, ctx)
+    print(f"helper killed during CRIU restore: {outcome}")
+
+
+def _exited(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def listeners(port: int) -> list:
+    return [c for c in psutil.net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+async def test_helper_restart_while_kernels_run(open_notebook, jp_serverapp, rhelper,
+                                                store_path, sig):
+    """Two kernels run; the helper stops (cleanly or killed) and starts again: both kernels
+    keep running and can be snapshotted, restored, interrupted and shut down."""
+    a = await open_notebook("a.ipynb")
+    b = await open_notebook("b.ipynb")
+    await a.execute("v = 'a'")
+    await b.execute("v = 'b'")
+    snap_a = await a.snapshot()
+    roots = {nb.kernel_id: provisioner(jp_serverapp, nb.kernel_id).root_pid for nb in (a, b)}
+    if sig == signal.SIGKILL:
+        rhelper.kill()
+    else:
+        rhelper.stop()
+    for nb in (a, b):  # kernels are not the helper's: they run on without it
+        assert await nb.value("v") == nb.path[0]
+    rhelper.ensure_running()
+    for nb in (a, b):
+        assert provisioner(jp_serverapp, nb.kernel_id).root_pid == roots[nb.kernel_id]
+        await nb.execute("w = 1")
+        snap = await nb.snapshot(message="after the helper restart")
+        await nb.execute("w = 2")
+        await nb.restore(snap["commit"])
+        assert await nb.value("(v, w)") == (nb.path[0], 1)
+    # the snapshot from before the restart restores too, and interrupting still works
+    await a.restore(snap_a["commit"])
+    assert await a.value("v") == "a"
+    cell = b.send_execute("import time; time.sleep(30)")
+    await asyncio.sleep(0.5)
+    r = await b.fetch("api", "kernels", b.kernel_id, "interrupt", method="POST", body="")
+    assert r.code == 204
+    out = await b.collect(cell, timeout=15)
+    assert out["error"] and "KeyboardInterrupt" in out["error"]
+    assert_store_ok(store_path)
