@@ -94,8 +94,15 @@ def checkpoint(pid: int) -> None:
 
 def _uuid(drv, text: str):
     """NVML's ``GPU-xxxxxxxx-xxxx-...`` as the driver's CUuuid."""
+    import ctypes
+
+    raw = bytes.fromhex(text.removeprefix("GPU-").replace("-", ""))
+    if len(raw) != 16:
+        raise CudaError(f"not a GPU UUID: {text!r}", reason="bad_gpu_map")
     u = drv.CUuuid()
-    u.bytes = bytes.fromhex(text.removeprefix("GPU-").replace("-", ""))
+    ctypes.memmove(u.getPtr(), raw, 16)  # the binding's `bytes` is read-only
+    if bytes(u.bytes)[:16] != raw:
+        raise CudaError("could not build a CUuuid", reason="cuda_failed")
     return u
 
 

@@ -16,8 +16,10 @@ def synchronize_gpus() -> list[str]:
     if torch is not None and getattr(torch, "cuda", None) is not None:
         try:
             if torch.cuda.is_initialized():
+                has_ctx = getattr(torch._C, "_cuda_hasPrimaryContext", lambda dev: True)
                 for dev in range(torch.cuda.device_count()):
-                    torch.cuda.synchronize(dev)
+                    if has_ctx(dev):  # never create a context (and its memory) on another GPU
+                        torch.cuda.synchronize(dev)
                 done.append("torch")
         except Exception:
             pass
