@@ -1,22 +1,36 @@
 """Benchmark of the snapshot store; prints markdown tables.
 
     sudo .venv/bin/python bench/store_bench.py [--size-mib 2048] [--runs 3] [--dir /var/tmp]
+        [--baseline GIT_REF | --baseline-dir DIR] [--chunkers pagecdc,fastcdc,fixed]
+        [--images synthetic,criu,python-like,gpu-like,random] [--skip-one-core] [--no-dedup]
 
 Measures, side by side in one process (medians of --runs runs, interleaved):
 
 * ingest throughput of a synthetic page image and of a real CRIU image of a Python process
-  (needs root and CRIU; skipped otherwise), on 1 core (pinned) and on all cores, against
-  ``cat IMAGE > FILE && sync FILE`` on the same disk;
+  (needs root and CRIU; skipped otherwise), on 1 core (pinned) and with the store's default
+  threads ("all cores": one per core, at most 8), against ``cat IMAGE > FILE && sync FILE``
+  on the same disk; ``--images`` adds images that need no CRIU: ``python-like`` (the CRIU
+  holder's data written directly: 45% random float64, 30% int64 pattern, 25% pickled
+  dicts), ``gpu-like`` (75% bf16 weights ~ N(0, 0.02), 25% zero pages in 32 MiB regions) and
+  ``random`` (incompressible bytes);
 * bytes a second snapshot adds after dirtying 1% of the pages (scattered, and in runs of
   16 pages) and after inserting 1% new pages in the middle, as % of the image;
 * checkout throughput against ``cat`` reading and writing the same bytes;
 * for each chunker: pagecdc (the default), fastcdc and fixed.
+
+``--baseline REF`` also measures the store code of that git commit (``git archive`` of
+``infinijup/store`` into a temporary package), interleaved with the working tree's in the
+same runs, on the same images: a before/after comparison that the machine's noise affects
+alike. Its rows say ``before (REF)``; the working tree's say ``after``. ``--baseline-dir``
+does the same from a directory holding a copy of the package (where there is no git).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
+import pickle
 import shutil
 import signal
 import statistics
@@ -38,6 +52,8 @@ from infinijup.store.chunking import (  # noqa: E402
     fixed_params,
 )
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
 PAGE = 4096
 CRIU = os.environ.get("INFINIJUP_CRIU", "/opt/infinijup/criu/sbin/criu")
 CHUNKERS = {
@@ -45,6 +61,7 @@ CHUNKERS = {
     "fastcdc 32K": fastcdc_params(32 * 1024),
     "fixed 32K": fixed_params(32 * 1024),
 }
+CHUNKER_KEYS = {"pagecdc": "pagecdc 32K (default)", "fastcdc": "fastcdc 32K", "fixed": "fixed 32K"}
 
 HOLDER = r"""
 import os, signal, sys, time
@@ -200,9 +217,68 @@ def cat_copy(src: Path, dst: Path) -> float:
     return dt
 
 
-def ingest(store: Path, params: ChunkerParams, image: Path, one_core: bool
-           ) -> tuple[float, Repository, str]:
-    repo = Repository.init(store, chunker=params)
+def other_image(root: Path, kind: str, size_mib: int) -> dict[str, Path]:
+    """An image that needs no CRIU (see the module docs), as {"base": directory}."""
+    n = size_mib * 256  # pages
+    d = root / kind
+    d.mkdir()
+    rng = np.random.default_rng(11)
+    with open(d / "pages-1.img", "wb") as f:
+        if kind == "random":
+            for start in range(0, n, 8192):
+                f.write(rng.integers(0, 256, min(8192, n - start) * PAGE, dtype=np.uint8)
+                        .tobytes())
+        elif kind == "gpu-like":
+            for start in range(0, n, 8192):
+                k = min(8192, n - start)
+                if (start // 8192) % 4 == 3:
+                    f.write(bytes(k * PAGE))
+                else:
+                    w = rng.standard_normal(k * PAGE // 2, dtype=np.float32) * 0.02
+                    f.write((w.view(np.uint32) >> 16).astype(np.uint16).tobytes())
+        elif kind == "python-like":
+            nf, ni = int(n * 0.45), int(n * 0.30)
+            for s in range(0, nf, 8192):
+                f.write(rng.random(min(8192, nf - s) * 512).tobytes())
+            for s in range(0, ni, 8192):
+                k = min(8192, ni - s) * 512
+                f.write(((np.arange(s * 512, s * 512 + k, dtype=np.int64) * 7919)
+                         % 1000003).tobytes())
+            left, i = (n - nf - ni) * PAGE, 0
+            while left > 0:
+                blob = pickle.dumps([{"id": j, "name": f"row-{j}", "vals": [j, j * 2.5, str(j)]}
+                                     for j in range(i, i + 20000)])[:left]
+                f.write(blob)
+                left, i = left - len(blob), i + 20000
+        else:
+            raise SystemExit(f"unknown image {kind!r}")
+    (d / "core-1.img").write_bytes(rng.integers(0, 256, 5000, dtype=np.uint8).tobytes())
+    return {"base": d}
+
+
+def baseline_dir_store(src: Path, into: Path) -> type:
+    """The ``Repository`` class of a copy of the store package at ``src``."""
+    shutil.copytree(src, into / "ijstore_baseline", ignore=shutil.ignore_patterns("__pycache__"))
+    sys.path.insert(0, str(into))
+    return importlib.import_module("ijstore_baseline").Repository
+
+
+def baseline_store(ref: str, into: Path) -> type:
+    """The ``Repository`` class of ``infinijup/store`` as of git ``ref`` (a temporary copy
+    imported as its own package, so both versions run in this process)."""
+    pkg = into / "ijstore_baseline"
+    pkg.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(REPO_ROOT), "archive", ref, "infinijup/store"],
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(pkg), "--strip-components=2"], input=archive,
+                   check=True)
+    sys.path.insert(0, str(into))
+    return importlib.import_module("ijstore_baseline").Repository
+
+
+def ingest(store: Path, params: ChunkerParams, image: Path, one_core: bool,
+           repo_cls: type = Repository) -> tuple[float, Repository, str]:
+    repo = repo_cls.init(store, chunker=params)
     all_cpus = os.sched_getaffinity(0)
     if one_core:
         os.sched_setaffinity(0, {min(all_cpus)})
@@ -236,64 +312,109 @@ def main() -> int:
     ap.add_argument("--dedup-mib", type=int, default=512,
                     help="image size for the second-snapshot measurements")
     ap.add_argument("--dir", default="/var/tmp", help="scratch directory (same disk as cat)")
+    ap.add_argument("--baseline", metavar="GIT_REF",
+                    help="also measure the store code of this commit, side by side")
+    ap.add_argument("--baseline-dir", metavar="DIR",
+                    help="like --baseline, from a copy of the infinijup/store package")
+    ap.add_argument("--chunkers", default="pagecdc,fastcdc,fixed",
+                    help="comma-separated subset of pagecdc,fastcdc,fixed")
+    ap.add_argument("--images", default="synthetic,criu",
+                    help="comma-separated: synthetic, criu, python-like, gpu-like, random")
+    ap.add_argument("--skip-one-core", action="store_true", help="only the default threads")
+    ap.add_argument("--no-dedup", action="store_true", help="skip the second-snapshot table")
     args = ap.parse_args()
+    wanted = args.images.split(",")
+    chunkers = {CHUNKER_KEYS[k]: CHUNKERS[CHUNKER_KEYS[k]] for k in args.chunkers.split(",")}
     root = Path(tempfile.mkdtemp(prefix="store-bench-", dir=args.dir))
     t0 = time.time()
+    versions: dict[str, type] = {"": Repository}
+    if args.baseline:
+        versions = {f"before ({args.baseline})": baseline_store(args.baseline, root / "pkg"),
+                    "after": Repository}
+    elif args.baseline_dir:
+        versions = {f"before ({Path(args.baseline_dir).name})":
+                    baseline_dir_store(Path(args.baseline_dir), root / "pkg"),
+                    "after": Repository}
+    compare = len(versions) > 1
     try:
         # images stay in the page cache, like a fresh dump: keep the set small (24 GiB RAM)
-        images = {"synthetic": synthetic_images(root, args.size_mib, variants=False)}
-        small = {"synthetic": synthetic_images(root, args.dedup_mib, prefix="dsyn")}
-        real = criu_images(root, args.size_mib, variants=False)
+        images: dict[str, dict[str, Path]] = {}
+        small: dict[str, dict[str, Path]] = {}
+        dedup_ok = not args.no_dedup
+        if "synthetic" in wanted:
+            images["synthetic"] = synthetic_images(root, args.size_mib, variants=False)
+            if dedup_ok:
+                small["synthetic"] = synthetic_images(root, args.dedup_mib, prefix="dsyn")
+        real = criu_images(root, args.size_mib, variants=False) if "criu" in wanted else None
         if real is not None:
             images["CRIU python"] = real
-            small["CRIU python"] = criu_images(root, args.dedup_mib, prefix="dcriu") or {}
-        else:
+            if dedup_ok:
+                small["CRIU python"] = criu_images(root, args.dedup_mib, prefix="dcriu") or {}
+        elif "criu" in wanted:
             print("(no root or CRIU: real CRIU image skipped)", file=sys.stderr)
-        ingest_t: dict[tuple[str, str, str], list[float]] = defaultdict(list)
+        for kind in ("python-like", "gpu-like", "random"):
+            if kind in wanted:
+                images[kind] = other_image(root, kind, args.size_mib)
+        modes = ("all cores",) if args.skip_one_core else ("1 core", "all cores")
+        ingest_t: dict[tuple[str, str, str, str], list[float]] = defaultdict(list)
         cat_t: dict[str, list[float]] = defaultdict(list)
         copy_t: dict[str, list[float]] = defaultdict(list)
-        checkout_t: dict[tuple[str, str], list[float]] = defaultdict(list)
+        checkout_t: dict[tuple[str, str, str], list[float]] = defaultdict(list)
         dedup: dict[tuple[str, str], dict[str, float]] = {}
+        stored: dict[tuple[str, str, str], float] = {}
         for run in range(args.runs):
             for img, variants in images.items():
                 base = variants["base"]
                 cat_t[img].append(cat_write(base, root / "cat.out"))
                 copy_t[img].append(cat_copy(base, root / "cat.out"))
-                for cname, params in CHUNKERS.items():
-                    for cores in ("1 core", "all cores"):
-                        store = root / "store"
-                        dt, repo, cid = ingest(store, params, base, cores == "1 core")
-                        ingest_t[(img, cname, cores)].append(dt)
-                        if cores == "all cores":
-                            out = root / "checkout"
-                            t = time.perf_counter()
-                            repo.checkout_dir(cid, out)
-                            checkout_t[(img, cname)].append(time.perf_counter() - t)
-                            shutil.rmtree(out)
-                        repo.close()
-                        shutil.rmtree(store)
-                    if run == 0:
+                for cname, params in chunkers.items():
+                    for cores in modes:
+                        for version, repo_cls in versions.items():
+                            store = root / "store"
+                            dt, repo, cid = ingest(store, params, base, cores == "1 core",
+                                                   repo_cls)
+                            ingest_t[(img, cname, cores, version)].append(dt)
+                            stats = repo.get_commit(cid).stats
+                            stored[(img, cname, version)] = (stats["stored_bytes"]
+                                                             / stats["image_bytes"])
+                            if cores == "all cores":
+                                out = root / "checkout"
+                                t = time.perf_counter()
+                                repo.checkout_dir(cid, out)
+                                checkout_t[(img, cname, version)].append(
+                                    time.perf_counter() - t)
+                                shutil.rmtree(out)
+                            repo.close()
+                            shutil.rmtree(store)
+                    if run == 0 and img in small:
                         dedup[(img, cname)] = second_snapshots(root / "dstore", params, small[img])
         size = {img: dir_bytes(v["base"]) for img, v in images.items()}
         med = statistics.median
         print("Image sizes: " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in size.items())
               + f"; {args.runs} runs, medians; {os.cpu_count()} cores.\n")
-        print("| image | chunker | cores | ingest MB/s | cat+sync MB/s | ratio to cat |")
-        print("|---|---|---|---:|---:|---:|")
-        for (img, cname, cores), ts in ingest_t.items():
+        vcol = "version | " if compare else ""
+        vsep = "---|" if compare else ""
+        print(f"| image | chunker | cores | {vcol}ingest MB/s | cat+sync MB/s | ratio to cat "
+              "| stored |")
+        print(f"|---|---|---|{vsep}---:|---:|---:|---:|")
+        for (img, cname, cores, version), ts in ingest_t.items():
             r, c = mb_s(size[img], med(ts)), mb_s(size[img], med(cat_t[img]))
-            print(f"| {img} | {cname} | {cores} | {r:.0f} | {c:.0f} | {r / c:.2f} |")
-        print("\n| image | chunker | 1st snapshot stored | +1% pages dirtied (scattered) "
-              "| +1% dirtied (runs of 16 pages) | +1% pages inserted mid-image |")
-        print("|---|---|---:|---:|---:|---:|")
-        for (img, cname), row in dedup.items():
-            print(f"| {img} | {cname} | {row['first']:.1%} | {row['dirty-scattered']:.2%} | "
-                  f"{row['dirty-runs']:.2%} | {row['insert']:.2%} |")
-        print("\n| image | chunker | checkout MB/s | cat read+write MB/s | ratio to cat |")
-        print("|---|---|---:|---:|---:|")
-        for (img, cname), ts in checkout_t.items():
+            v = f"{version} | " if compare else ""
+            print(f"| {img} | {cname} | {cores} | {v}{r:.0f} | {c:.0f} | {r / c:.2f} "
+                  f"| {stored[(img, cname, version)]:.1%} |")
+        if dedup:
+            print("\n| image | chunker | 1st snapshot stored | +1% pages dirtied (scattered) "
+                  "| +1% dirtied (runs of 16 pages) | +1% pages inserted mid-image |")
+            print("|---|---|---:|---:|---:|---:|")
+            for (img, cname), row in dedup.items():
+                print(f"| {img} | {cname} | {row['first']:.1%} | {row['dirty-scattered']:.2%} | "
+                      f"{row['dirty-runs']:.2%} | {row['insert']:.2%} |")
+        print(f"\n| image | chunker | {vcol}checkout MB/s | cat read+write MB/s | ratio to cat |")
+        print(f"|---|---|{vsep}---:|---:|---:|")
+        for (img, cname, version), ts in checkout_t.items():
             r, c = mb_s(size[img], med(ts)), mb_s(size[img], med(copy_t[img]))
-            print(f"| {img} | {cname} | {r:.0f} | {c:.0f} | {r / c:.2f} |")
+            v = f"{version} | " if compare else ""
+            print(f"| {img} | {cname} | {v}{r:.0f} | {c:.0f} | {r / c:.2f} |")
         print(f"\n(total benchmark time {time.time() - t0:.0f} s)")
     finally:
         shutil.rmtree(root, ignore_errors=True)

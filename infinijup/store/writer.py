@@ -3,9 +3,10 @@
 Pipeline for one stream (``Writer.add_stream``)::
 
     main thread                  worker threads (numpy, blake3, zstd release the GIL)
-    readinto 8 MiB block    -->  chunker.scan(block): candidate cut points
+    readinto 8 MiB block    -->  chunker.scan(block): candidate cut points; all-zero pages
     Splitter picks the cuts
-    jobs of ~4 MiB          -->  BLAKE3 every chunk, drop ids already stored or written,
+    jobs of ~4 MiB          -->  BLAKE3 every chunk (all-zero ones: a cached BLAKE3 of
+                                 zeros), drop ids already stored or written,
                                  zstd the rest where it pays (probing incompressible runs)
     drain jobs in order: ids, new chunks reserved in the open pack
                             -->  io threads pwritev the reserved ranges
