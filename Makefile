@@ -19,7 +19,7 @@ TEST_SYSTEM_PACKAGES := chromium
 export INFINIJUP_CRIU := $(CRIU_PREFIX)/sbin/criu
 export INFINIJUP_PYCRIU := $(CRIU_PREFIX)/python
 
-.PHONY: lab test setup system-deps criu venv frontend helper helper-stop test-python test-frontend test-ui bench-ui lint clean
+.PHONY: lab test setup system-deps criu venv frontend helper helper-stop test-python test-frontend test-ui bench-ui soak lint clean
 
 lab: setup helper
 	@echo "Starting JupyterLab with Infinijup on http://$(LAB_IP):$(LAB_PORT)/lab"
@@ -94,6 +94,10 @@ test-frontend: $(STAMPS)/frontend
 test-ui: $(STAMPS)/install
 	cd ui-tests && PATH=$(abspath $(VENV))/bin:$$PATH $(abspath $(JLPM)) install --immutable
 	cd ui-tests && PATH=$(abspath $(VENV))/bin:$$PATH $(abspath $(JLPM)) test
+
+# The long soak (issue 7): `make test` runs the same tests with 20 cycles.
+soak: $(STAMPS)/install
+	INFINIJUP_SOAK_CYCLES=200 $(VENV)/bin/pytest -p no:cacheprovider -s tests/reliability/test_soak.py
 
 bench-ui: $(STAMPS)/install
 	cd ui-tests && PATH=$(abspath $(VENV))/bin:$$PATH $(abspath $(JLPM)) install --immutable

@@ -140,6 +140,10 @@ class Criu:
             opts.pid = pid
             opts.leave_running = leave_running
             opts.tcp_established = True
+            # A client connecting while the tree is frozen leaves a connection not yet
+            # accepted ("in flight"); without this the dump fails on it. Left out, the client
+            # sees a reset and reconnects (ZMQ does).
+            opts.tcp_skip_in_flight = True
             opts.network_lock = self.pycriu.rpc.SKIP  # no iptables/nft needed; see FINDINGS
             opts.file_locks = True
 

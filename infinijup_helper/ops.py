@@ -336,3 +336,5 @@ def _pidfd(pid: int) -> int:
         return os.pidfd_open(pid)
     except ProcessLookupError:
         raise RequestError("no_such_process", f"no running process with pid {pid}") from None
+    except FileNotFoundError:  # ENOENT (Linux >= 6.9): the id of a thread, not of a process
+        raise RequestError("no_such_process", f"{pid} is not a process id (a thread's?)") from None

@@ -95,6 +95,9 @@ class Index:
             # B-trees in memory and checkpoint the WAL less often (fewer rewrites of pages)
             self._db.execute("PRAGMA cache_size=-65536")
             self._db.execute("PRAGMA wal_autocheckpoint=16384")
+            # A long-lived server keeps the store open: without a limit the WAL file only
+            # ever grows (98 MiB after 200 snapshots in the soak).
+            self._db.execute("PRAGMA journal_size_limit=16777216")
             self._db.executescript(_SCHEMA)
             self._bulk = _has_json(self._db)
             row = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
@@ -110,6 +113,11 @@ class Index:
             raise IndexCorrupt(
                 f"index {path} is unreadable ({exc}); run `infinijup store rebuild-index`"
             ) from exc
+
+    def truncate_journal(self) -> None:
+        """Fold the WAL into the database and shrink it (after gc removed many rows)."""
+        with self._lock:
+            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def close(self) -> None:
         """Close the connection."""

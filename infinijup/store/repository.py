@@ -531,7 +531,10 @@ class Repository:
     def gc(self, dry_run: bool = False) -> GcReport:
         """Remove what no thread reaches; see gc.py. Returns a GcReport."""
         from .gc import gc
-        return gc(self, dry_run=dry_run)
+        report = gc(self, dry_run=dry_run)
+        if not dry_run:
+            self.index.truncate_journal()
+        return report
 
     def rebuild_index(self) -> dict[str, int]:
         """Rebuild the index from pack headers and commit files (exclusive lock)."""

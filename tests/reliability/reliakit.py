@@ -40,7 +40,6 @@ from helperkit import (  # noqa: E402
     socket_answers,
 )
 
-
 sys.path.insert(0, str(TESTS / "kernel"))
 try:
     from kernelkit import Notebook  # noqa: E402

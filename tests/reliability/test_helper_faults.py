@@ -25,6 +25,7 @@ from reliakit import (
     store_state,
     until,
     wait_gone,
+    wait_restarted,
 )
 
 pytestmark = [needs_helper, pytest.mark.timeout(240)]
@@ -187,6 +188,7 @@ async def check_interrupted_restore(nb, jp_serverapp, rhelper, store_path, ctx) 
         rhelper.ensure_running()
         r = await nb.fetch("api", "kernels", nb.kernel_id, "restart", method="POST", body="")
         assert r.code == 200
+        await wait_restarted(nb, jp_serverapp, ctx["old_root"])
         assert await nb.value("globals().get('x')") is None  # a fresh kernel
         await nb.restore(ctx["snap"]["commit"])  # and the snapshot is there for it
         await state_intact(nb, ctx["digest"], {"x": "snapshotted"})

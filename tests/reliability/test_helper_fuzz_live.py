@@ -261,3 +261,26 @@ def _untouched(t) -> None:
     assert kernel.evaluate(p="precious")["p"] == "42"
     assert os.path.exists(os.path.join(t["images"], "pstree.img"))
     assert client.hello().uid == 0
+
+
+def test_thread_ids_are_not_processes(target):
+    """Found by the fuzzer: on Linux >= 6.9 pidfd_open() of a thread id fails with ENOENT,
+    which reached the client as internal_error. A thread id is no process to act on."""
+    import threading
+
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        tid = thread.native_id
+        assert tid != os.getpid()
+        client = target["client"]  # root: authorization would not stop it
+        for call in (lambda: client.kill(tid), lambda: client.signal(tid, 10),
+                     lambda: client.restore(target["images"], replace_pid=tid)):
+            with pytest.raises(Exception) as info:
+                call()
+            assert getattr(info.value, "reason", None) == "no_such_process", info.value
+    finally:
+        stop.set()
+        thread.join()
+    _untouched(target)

@@ -167,7 +167,7 @@ async def test_restore_that_criu_refuses(notebook, jp_serverapp, rhelper, store_
         assert body["reason"] == "criu_failed", body
         assert "CRIU restore failed" in body["message"] and data.name in body["message"], body
         assert "restarted fresh; every snapshot is intact" in body["message"], body
-        print(f"CRIU refused: {body['message'][:400]}")
+        print(f"CRIU refused: {body['message'][:1500]}")
         await wait_restarted(nb, jp_serverapp, old_root)
         assert await nb.value("globals().get('x')") is None  # a fresh kernel
         assert store_state(store_path) == before

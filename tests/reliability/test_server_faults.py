@@ -84,6 +84,11 @@ def test_server_killed_mid_snapshot(helper_up, server_base, store_path, phase):
         snap = threading.Thread(target=lambda: outcome.update(r=_try_snapshot(first, kernel_id)))
         snap.start()
         _wait_phase(first, kernel_id, {phase})
+        if phase == "dump":  # the request has reached the helper: CRIU is dumping
+            deadline = time.monotonic() + 30
+            while not helper_up.criu_children():
+                assert time.monotonic() < deadline, "CRIU never started"
+                time.sleep(0.002)
         first.sigkill()
         snap.join(60)
         assert outcome["r"] == "connection lost"

@@ -345,3 +345,23 @@ def test_stats_and_gc_of_deleted_thread(repo: Repository, tmp_path: Path) -> Non
     out = tmp_path / "out"
     repo.checkout_dir(keep.id, out)
     assert (out / "keep.img").read_bytes() == (src / "keep.img").read_bytes()
+
+
+def test_gc_shrinks_the_index_journal_of_an_open_store(tmp_path):
+    """A server keeps its store open for days: gc must leave no big WAL behind."""
+    import numpy as np
+
+    from infinijup.store import Repository
+
+    repo = Repository.open_or_init(tmp_path / "store")
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        (src / "pages-1.img").write_bytes(rng.bytes(1 << 20))
+        repo.commit_dir(src, thread="main")
+    repo.delete_thread("main")
+    repo.gc()
+    wal = tmp_path / "store" / "index.sqlite-wal"
+    assert not wal.exists() or wal.stat().st_size < 1 << 20, wal.stat().st_size
+    repo.close()
