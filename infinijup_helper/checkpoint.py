@@ -19,7 +19,14 @@ import stat
 import time
 from dataclasses import dataclass, field
 
-from .criu import Criu, check_creds, check_page_files, image_names, private_page_files
+from .criu import (
+    Criu,
+    check_creds,
+    check_page_files,
+    image_names,
+    private_page_files,
+    tree_tasks,
+)
 from .paths import Staging, WorkDirs
 from .proc import Caller, read_proc, tree_members
 from .protocol import RequestError
@@ -140,6 +147,11 @@ class VerifyDumpedCreds(StageBase):
         self.criu = criu
 
     def run(self, job: DumpJob) -> None:
+        # A kernel that died as the dump began leaves only its init in the images: that is
+        # no snapshot of a kernel, refuse it rather than publish it.
+        if len(tree_tasks(self.criu, job.staging.fd)) < 2:
+            raise RequestError("criu_failed", "CRIU dump failed: the kernel exited while it "
+                               "was being dumped (only its init was left to dump)")
         if not job.caller.is_root:
             check_creds(self.criu, job.staging.fd, job.caller.uid, job.allowed_gids)
 
