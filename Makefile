@@ -19,7 +19,7 @@ TEST_SYSTEM_PACKAGES := chromium
 export INFINIJUP_CRIU := $(CRIU_PREFIX)/sbin/criu
 export INFINIJUP_PYCRIU := $(CRIU_PREFIX)/python
 
-.PHONY: lab test setup system-deps criu venv frontend helper helper-stop test-python test-frontend test-ui bench-ui soak lint clean
+.PHONY: lab test setup system-deps criu venv frontend helper helper-stop test-python test-frontend test-ui test-reliability bench-ui soak lint clean
 
 lab: setup helper
 	@echo "Starting JupyterLab with Infinijup on http://$(LAB_IP):$(LAB_PORT)/lab"
@@ -85,7 +85,12 @@ lint: $(STAMPS)/install
 	PATH=$(abspath $(VENV))/bin:$$PATH $(JLPM) typecheck
 
 test-python: $(STAMPS)/install
-	$(VENV)/bin/pytest -q -p no:cacheprovider
+	$(VENV)/bin/pytest -q -p no:cacheprovider --ignore=tests/reliability
+
+# Issue 7's fault, security, fuzz and soak tests. Several kill processes at chosen moments and
+# are still timing-sensitive on a loaded 2-core machine, so they are not yet part of `make test`.
+test-reliability: $(STAMPS)/install
+	$(VENV)/bin/pytest -q -p no:cacheprovider tests/reliability
 
 test-frontend: $(STAMPS)/frontend
 	PATH=$(abspath $(VENV))/bin:$$PATH $(JLPM) test
