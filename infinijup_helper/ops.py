@@ -319,8 +319,13 @@ class Operations:
     def status(self, caller: Caller, args: p.StatusArgs, progress: Progress) -> Result:
         info = read_proc(args.pid)
         if info is not None and not info.is_zombie:
-            authorize_pid(caller, args.pid, tree_root=False)
-            return {"alive": True, "exit_code": None}
+            try:
+                authorize_pid(caller, args.pid, tree_root=False)
+                return {"alive": True, "exit_code": None}
+            except RequestError as exc:
+                if exc.reason != "no_such_process":
+                    raise
+                info = read_proc(args.pid)  # it exited between the two reads: report that
         if info is not None and self.reaper.is_tracked(args.pid):
             self.reaper.wait_reaped(args.pid, 2.0)  # exited a moment ago; let the reaper finish
         record = self.reaper.exit_record(args.pid)
