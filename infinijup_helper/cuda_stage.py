@@ -17,6 +17,7 @@ from typing import Any
 from infinijup.gpu import driver
 from infinijup.gpu.preflight import check, read_nvml
 
+from .proc import tree_members
 from .stages import StageBase
 
 log = logging.getLogger(__name__)
@@ -25,18 +26,8 @@ LOCK_TIMEOUT_MS = int(os.environ.get("INFINIJUP_CUDA_LOCK_TIMEOUT_MS", "30000"))
 
 
 def tree_pids(root: int) -> list[int]:
-    """Host pids of ``root`` and all its descendants (from /proc children lists)."""
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        try:
-            for task in os.listdir(f"/proc/{pid}/task"):
-                with open(f"/proc/{pid}/task/{task}/children") as f:
-                    todo.extend(int(c) for c in f.read().split())
-        except OSError:
-            continue
-    return out
+    """Host pids of ``root`` and all its descendants."""
+    return tree_members(root)
 
 
 def _uses_nvidia(pid: int) -> bool:
