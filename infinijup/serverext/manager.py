@@ -460,11 +460,13 @@ class SnapshotManager(LoggingConfigurable):
                 commits.setdefault(c.id, c)
         ordered = sorted(commits.values(), key=lambda c: c.created, reverse=True)
         head = self._head(kernel_id) if kernel_id else Head(commit=None, thread=DEFAULT_THREAD)
+        # Where the next snapshot goes, planned as a snapshot would plan it (the UI shows it).
+        next_thread = plan_snapshot(head, threads, None).thread
         return {
             "path": path,
             "commits": [self._commit_json(c) for c in ordered],
             "threads": threads,
-            "head": {"thread": head.thread, "commit": head.commit},
+            "head": {"thread": head.thread, "commit": head.commit, "next_thread": next_thread},
         }
 
     @staticmethod
