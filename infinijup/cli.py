@@ -13,6 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="infinijup", description="Branchable, resumable Jupyter sessions.")
     parser.add_argument("--version", action="version", version=f"infinijup {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
     from .store import cli as store_cli
 
     store_cli.add_subparser(sub)
@@ -38,13 +39,13 @@ def _helper_status(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0 success, 1 ``store check`` found a problem, 2 an error or bad usage."""
     parser = build_parser()
-    args = parser.parse_args(argv)
-    func = getattr(args, "func", None)
-    if func is None:
-        parser.print_help()
+    args = parser.parse_args(argv)  # bad usage (no command too) exits 2 with the usage
+    try:
+        return int(args.func(args) or 0)
+    except BrokenPipeError:  # ``infinijup store log | head``
         return 0
-    return int(func(args) or 0)
 
 
 if __name__ == "__main__":

@@ -26,25 +26,32 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+_STORE_HELP = "store directory (default: $INFINIJUP_STORE or ~/.local/share/infinijup/store)"
+
+
 def _configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--store", metavar="PATH", default=None,
-                   help="store directory (default: $INFINIJUP_STORE or "
-                        "~/.local/share/infinijup/store)")
+    p.add_argument("--store", metavar="PATH", default=None, help=_STORE_HELP)
+    # ``--store`` is accepted after the command too (``store check --store PATH``); there it
+    # overrides the one before the command only when given (SUPPRESS: no default to clobber).
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--store", metavar="PATH", default=argparse.SUPPRESS, help=_STORE_HELP)
     sub = p.add_subparsers(dest="store_command", metavar="COMMAND")
     sub.required = True
-    log = sub.add_parser("log", help="list commits, newest first")
+    log = sub.add_parser("log", parents=[common], help="list commits, newest first")
     log.add_argument("--thread", help="only ancestors of this thread's tip")
     log.add_argument("--json", action="store_true", help="one JSON object per line")
-    sub.add_parser("threads", help="list threads and their tips")
-    show = sub.add_parser("show", help="show one commit and its files")
+    sub.add_parser("threads", parents=[common], help="list threads and their tips")
+    show = sub.add_parser("show", parents=[common], help="show one commit and its files")
     show.add_argument("ref", help="commit id, unique prefix (>= 8 hex) or thread name")
-    check = sub.add_parser("check", help="verify the store (exit 1 on a problem)")
+    check = sub.add_parser("check", parents=[common],
+                           help="verify the store (exit 1 on a problem)")
     check.add_argument("--read-data", action="store_true", help="re-hash every stored object")
-    gc = sub.add_parser("gc", help="remove what no thread reaches")
+    gc = sub.add_parser("gc", parents=[common], help="remove what no thread reaches")
     gc.add_argument("--dry-run", action="store_true", help="only report what would go")
-    sub.add_parser("stats", help="sizes and counts")
-    sub.add_parser("rebuild-index", help="rebuild the index from packs and commits")
-    p.set_defaults(store_handler=run)
+    sub.add_parser("stats", parents=[common], help="sizes and counts")
+    sub.add_parser("rebuild-index", parents=[common],
+                   help="rebuild the index from packs and commits")
+    p.set_defaults(func=run)  # what ``infinijup``'s main calls for ``infinijup store ...``
 
 
 def run(args: argparse.Namespace) -> int:
