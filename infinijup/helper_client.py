@@ -125,10 +125,18 @@ class HelperClient:
         replace_pid: int | None = None,
         on_progress: ProgressCallback | None = None,
         gpu_map: Sequence[tuple[str, str]] = (),
+        port_map: Sequence[tuple[int, int]] = (),
+        log_path: str | None = None,
     ) -> RestoreResult:
+        """``port_map`` (saved port, new port) and ``log_path`` restore the images into
+        another kernel session: its ports and its log (see infinijup_helper/retarget.py)."""
         args: dict[str, Any] = {"images_dir": images_dir, "replace_pid": replace_pid}
         if gpu_map:
             args["gpu_map"] = [list(p) for p in gpu_map]
+        if port_map:
+            args["port_map"] = [list(p) for p in port_map]
+        if log_path is not None:
+            args["log_path"] = log_path
         r = self.call("restore", args, on_progress)
         return RestoreResult(int(r["pid"]), r["duration_s"], dict(r["phases"]), r.get("gpu"))
 

@@ -21,6 +21,7 @@ from jupyter_client.provisioning.local_provisioner import LocalProvisioner
 
 from . import config
 from .helper_client import HelperClient
+from .kernel_key import user_kernel_key
 from .process import TrackedProcess
 
 # Environment a kernel must not inherit: the parent poller would shut a restored kernel down,
@@ -44,6 +45,9 @@ class InfinijupProvisioner(LocalProvisioner):
         return HelperClient(config.helper_socket())
 
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
+        # Before the connection file is written: every kernel of this user signs with the
+        # same key, so any of its snapshots can be restored into any of its sessions.
+        self.parent.session.key = user_kernel_key()
         kwargs = await super().pre_launch(**kwargs)
         env = dict(kwargs.get("env") or os.environ)
         for name in _SCRUBBED_ENV:

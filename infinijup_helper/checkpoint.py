@@ -31,6 +31,7 @@ from .paths import Staging, WorkDirs
 from .proc import Caller, read_proc, tree_members
 from .protocol import RequestError
 from .reaper import Reaper
+from .retarget import RetargetPlan
 from .seal import FileSeal, Sealer, is_sealed_name, untrusted
 from .stages import StageBase
 
@@ -190,6 +191,8 @@ class RestoreJob:
     pid: int | None = None
     staged: list[str] = field(default_factory=list)
     gpu_map: tuple[tuple[str, str], ...] = ()
+    retarget: RetargetPlan = field(default_factory=RetargetPlan)  # see retarget.py
+    retargeted: dict = field(default_factory=dict)
 
 
 def _copy_checked(src: int, dst_dir: int, name: str, expect: FileSeal | None) -> None:

@@ -43,6 +43,7 @@ from .proc import (
 )
 from .protocol import RequestError
 from .reaper import Reaper
+from .retarget import RetargetImages, RetargetPlan
 from .seal import Sealer
 from .spawn import SpawnFailed, SpawnSpec, spawn_tree
 from .stages import Progress, Stage, run_stages
@@ -168,6 +169,7 @@ class Operations:
     def restore_stages(self) -> list[Stage]:
         stages: list[Stage] = [
             StageImages(self.criu, self.sealer),
+            RetargetImages(self.criu),
             KillReplaced(self.reaper),
             CriuRestore(self.criu, self.reaper),
         ]
@@ -253,6 +255,8 @@ class Operations:
                 pidfd = _pidfd(args.replace_pid)
                 cleanup.callback(os.close, pidfd)
                 authorize_pid(caller, args.replace_pid, tree_root=True)
+            log_path = (self.work.confine_file(caller, args.log_path)
+                        if args.log_path is not None else None)
             images_fd = self.work.open_dir(caller, args.images_dir)
             cleanup.callback(os.close, images_fd)
             staging = cleanup.enter_context(self.work.staging("restore"))
@@ -264,11 +268,12 @@ class Operations:
                 replace_pid=args.replace_pid,
                 replace_pidfd=pidfd,
                 gpu_map=args.gpu_map,
+                retarget=RetargetPlan(port_map=args.port_map, log_path=log_path),
             )
             stages = self.restore_stages()
             phases = run_stages(stages, job, progress)
         return {"pid": job.pid, "duration_s": round(time.monotonic() - start, 6), "phases": phases,
-                "gpu": _gpu_summary(stages)}
+                "gpu": _gpu_summary(stages), "retargeted": job.retargeted}
 
     def kill(self, caller: Caller, args: p.KillArgs, progress: Progress) -> Result:
         with self.locks.hold(args.pid):

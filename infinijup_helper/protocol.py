@@ -73,6 +73,10 @@ class RestoreArgs:
     images_dir: str
     replace_pid: int | None = None
     gpu_map: tuple[tuple[str, str], ...] = ()  # (saved GPU UUID, GPU UUID to restore onto)
+    # Restoring into another kernel session (see retarget.py): its TCP ports (saved -> new)
+    # and its log file, which replaces the log of the kernel that was dumped.
+    port_map: tuple[tuple[int, int], ...] = ()
+    log_path: str | None = None
 
 
 @dataclass(frozen=True)
@@ -205,6 +209,27 @@ def _gpu_map(name: str, value: Any) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
+MAX_PORT_PAIRS = 64
+
+
+def _port_map(name: str, value: Any) -> tuple[tuple[int, int], ...]:
+    if not isinstance(value, list) or len(value) > MAX_PORT_PAIRS:
+        raise _fail(name, f"a list of at most {MAX_PORT_PAIRS} [saved port, new port] pairs")
+    pairs = []
+    for pair in value:
+        if (not isinstance(pair, list) or len(pair) != 2
+                or not all(type(p) is int and 1 <= p <= 65535 for p in pair)):
+            raise _fail(name, "pairs of TCP ports between 1 and 65535")
+        pairs.append((pair[0], pair[1]))
+    if len({old for old, _ in pairs}) != len(pairs) or len({new for _, new in pairs}) != len(pairs):
+        raise _fail(name, "pairs with distinct saved ports and distinct new ports")
+    return tuple(pairs)
+
+
+def _optional_path(name: str, value: Any) -> str | None:
+    return None if value is None else _path(name, value)
+
+
 def _argv(name: str, value: Any) -> tuple[str, ...]:
     if not isinstance(value, list) or not value or len(value) > MAX_ARGV_ITEMS:
         raise _fail(name, f"a non-empty list of at most {MAX_ARGV_ITEMS} strings")
@@ -258,6 +283,8 @@ ARG_SPECS: dict[str, tuple[type, dict[str, tuple[Validator, Any]]]] = {
             "images_dir": (_path, _REQUIRED),
             "replace_pid": (_optional_pid, None),
             "gpu_map": (_gpu_map, ()),
+            "port_map": (_port_map, ()),
+            "log_path": (_optional_path, None),
         },
     ),
     "kill": (KillArgs, {"pid": (_pid, _REQUIRED)}),

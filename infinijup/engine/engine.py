@@ -175,10 +175,13 @@ class SnapshotEngine:
 
     def restore(self, images: Path, replace_pid: int | None,
                 on_progress: Progress = _no_progress,
-                gpu_map: tuple[tuple[str, str], ...] = ()) -> RestoreResult:
+                gpu_map: tuple[tuple[str, str], ...] = (),
+                port_map: tuple[tuple[int, int], ...] = (),
+                log_path: str | None = None) -> RestoreResult:
         """Replace the tree at ``replace_pid`` with the one in ``images``; remove ``images``.
 
-        ``gpu_map`` pairs (saved GPU UUID, GPU UUID here) move GPU state onto other GPUs.
+        ``gpu_map`` pairs (saved GPU UUID, GPU UUID here) move GPU state onto other GPUs;
+        ``port_map`` and ``log_path`` put the kernel into another session (retarget.py).
         """
         t0 = time.perf_counter()
         started: list[str] = []
@@ -190,7 +193,8 @@ class SnapshotEngine:
 
         try:
             result = self.helper.restore(str(images), replace_pid=replace_pid,
-                                         on_progress=progress, gpu_map=gpu_map)
+                                         on_progress=progress, gpu_map=gpu_map,
+                                         port_map=port_map, log_path=log_path)
         except InfinijupError as exc:
             failed = RestoreFailed(f"restore failed: {exc}", reason=getattr(exc, "reason", None))
             # The helper vanished while CRIU was restoring: CRIU (its child) may still finish,

@@ -78,13 +78,17 @@ class SnapshotHandler(InfinijupHandler):
                 raise BadRequest("'message' must be a string")
             thread = _str(body, "thread")
             request_id = _str(body, "request_id")
+            described = body.get("metadata")  # %snapshot's description of the kernel
+            if described is not None and not isinstance(described, dict):
+                raise BadRequest("'metadata' must be an object")
         except InfinijupError as exc:
             return await self.call(_raise(exc))
         if body.get("from_kernel"):
             if request_id is None or not _REQUEST_ID.match(request_id):
                 return await self.call(_raise(BadRequest("'request_id' must be 32 hex digits")))
             return await self.call(self.manager.snapshot_for_kernel(
-                kernel_id, message, thread, request_id, body.get("execution_count")), status=202)
+                kernel_id, message, thread, request_id, body.get("execution_count"), described),
+                status=202)
         await self.call(self.manager.snapshot(kernel_id, message=message, thread=thread), status=201)
 
 
@@ -110,6 +114,22 @@ class RestoreHandler(InfinijupHandler):
             return await self.call(_raise(BadRequest("'gpu_map' must map GPU UUIDs to GPU UUIDs")))
         await self.call(self.manager.restore(kernel_id, ref, branch=branch, force=force,
                                              gpu_map=gpu_map))
+
+
+class ResumeHandler(InfinijupHandler):
+    @tornado.web.authenticated
+    @authorized
+    async def post(self) -> None:
+        try:
+            body = self.body()
+            path = _str(body, "path", required=True)
+            ref = _str(body, "commit", required=True)
+            kernel_name = _str(body, "kernel_name")
+        except InfinijupError as exc:
+            return await self.call(_raise(exc))
+        await self.call(self.manager.resume(path, ref, kernel_name=kernel_name,
+                                            new_notebook=bool(body.get("new_notebook", False)),
+                                            force=bool(body.get("force", False))))
 
 
 class BranchHandler(InfinijupHandler):
@@ -151,6 +171,7 @@ def setup_handlers(web_app) -> None:
     routes = [
         ("snapshot", SnapshotHandler),
         ("restore", RestoreHandler),
+        ("resume", ResumeHandler),
         ("branch", BranchHandler),
         ("history", HistoryHandler),
         ("status", StatusHandler),

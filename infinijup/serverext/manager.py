@@ -30,6 +30,12 @@ from ..engine.naming import (
 )
 from ..engine.orphans import find_restored_tree
 from ..engine.reconnect import connections_to, wait_reconnected
+from ..engine.retarget import (
+    adopt_expression,
+    plan_retarget,
+    saved_connection,
+    why_not_retargetable,
+)
 from ..errors import (
     BadRequest,
     Conflict,
@@ -40,15 +46,12 @@ from ..errors import (
 )
 from ..gpu.restore_rules import plan_gpu_restore
 from ..helper_client import HelperClient
+from ..kernel_key import user_kernel_key
 from ..kernel_magics import agent
 from ..provisioner import InfinijupProvisioner
 from ..store import Repository, default_store_path
 
 EVENT_SCHEMA_ID = "https://events.infinijup.dev/operation"
-
-# Connection fields a restored kernel keeps from its snapshot: the current kernel's must match.
-_CONNECTION_FIELDS = ("transport", "ip", "shell_port", "iopub_port", "stdin_port",
-                      "control_port", "hb_port", "signature_scheme")
 
 
 class SnapshotManager(LoggingConfigurable):
@@ -73,6 +76,7 @@ class SnapshotManager(LoggingConfigurable):
         self._ops: dict[str, dict] = {}
         self._last: dict[str, dict] = {}  # kernel id -> the last finished operation
         self._tasks: set[asyncio.Task] = set()
+        self._path_locks: dict[str, asyncio.Lock] = {}  # one resume at a time per notebook
 
     # --- plumbing ------------------------------------------------------------------------
     @property
@@ -166,12 +170,12 @@ class SnapshotManager(LoggingConfigurable):
         return report
 
     def _connection(self, km) -> dict:
-        info = km.get_connection_info()
-        return {k: info.get(k) for k in _CONNECTION_FIELDS}
+        return saved_connection(km.get_connection_info())
 
     # --- snapshot ------------------------------------------------------------------------
     async def snapshot(self, kernel_id: str, *, message: str = "", thread: str | None = None,
-                       from_kernel: bool = False, execution_count: int | None = None) -> dict:
+                       from_kernel: bool = False, execution_count: int | None = None,
+                       described: dict | None = None) -> dict:
         km = self._kernel(kernel_id)
         prov = self._provisioner(km)
         if thread is not None:
@@ -184,10 +188,19 @@ class SnapshotManager(LoggingConfigurable):
                 self._emit(state, "quiesce", 10)
                 info = await run_agent(km, agent.expression("quiesce"), self.busy_timeout)
                 execution_count = info.get("execution_count")
+                described = info
             t_quiesce = time.perf_counter() - t0
             try:
-                result, plan = await self._dump_and_commit(km, prov, state, path, message,
-                                                           thread, execution_count)
+                result, plan = await self._dump_and_commit(
+                    km, prov, state, path, message, thread, execution_count,
+                    agent.commit_metadata(described))
+            except Exception:
+                if not from_kernel:  # no commit: the kernel keeps its parent's fingerprints
+                    try:
+                        await run_agent(km, agent.expression("forget"), self.busy_timeout)
+                    except InfinijupError:
+                        pass
+                raise
             finally:
                 if not from_kernel:
                     await self._resume(km, restored=False)
@@ -207,7 +220,8 @@ class SnapshotManager(LoggingConfigurable):
         finally:
             self._end(state)
 
-    async def _dump_and_commit(self, km, prov, state, path, message, thread, execution_count):
+    async def _dump_and_commit(self, km, prov, state, path, message, thread, execution_count,
+                               described=None):
         repo = self.repo()
         key = notebook_key(path)
         head = self._head(km.kernel_id)
@@ -219,7 +233,7 @@ class SnapshotManager(LoggingConfigurable):
                 "notebook_path": path, "notebook_key": key, "thread": plan.thread,
                 "kernel_id": km.kernel_id, "kernel_name": km.kernel_name,
                 "execution_count": execution_count, "connection": self._connection(km),
-                "infinijup_version": __version__, "gpu": None,
+                "infinijup_version": __version__, "gpu": None, **(described or {}),
             }
             self._emit(state, "dump", 30)
             try:
@@ -244,14 +258,15 @@ class SnapshotManager(LoggingConfigurable):
             self.log.warning("infinijup: resume hooks of %s: %s", km.kernel_id, exc.message)
 
     async def snapshot_for_kernel(self, kernel_id, message, thread, request_id,
-                                  execution_count) -> dict:
+                                  execution_count, described=None) -> dict:
         """A snapshot the kernel asked for (``%snapshot``): it waits on a result file."""
         self._kernel(kernel_id)
 
         async def run() -> None:
             try:
                 out = await self.snapshot(kernel_id, message=message, thread=thread,
-                                          from_kernel=True, execution_count=execution_count)
+                                          from_kernel=True, execution_count=execution_count,
+                                          described=described)
             except InfinijupError as exc:
                 out = {"error": {"message": exc.message, "reason": exc.reason}}
             except Exception as exc:  # the kernel is waiting: it must hear back
@@ -298,7 +313,8 @@ class SnapshotManager(LoggingConfigurable):
         threads = notebook_threads(await asyncio.to_thread(repo.threads), key)
         if branch is not None and branch in threads:
             raise Conflict(f"thread '{branch}' already exists", reason="thread_exists")
-        self._check_connection(km, commit)
+        retarget = plan_retarget((commit.metadata or {}).get("connection") or {},
+                                 self._connection(km))
         gpu_pairs = await asyncio.to_thread(plan_gpu_restore, commit.metadata or {},
                                             force=force, requested=gpu_map)
         state = self._begin(kernel_id, "restore", path)
@@ -314,8 +330,9 @@ class SnapshotManager(LoggingConfigurable):
             connected = connections_to(ports)
             prov.restoring = True
             try:
-                result = await asyncio.to_thread(engine.restore, images, prov.root_pid,
-                                                 self._progress(state), gpu_pairs)
+                result = await asyncio.to_thread(
+                    engine.restore, images, prov.root_pid, self._progress(state), gpu_pairs,
+                    retarget.port_map, None if retarget.same_session else prov.log_path)
                 pid, phases = result.pid, dict(result.phases)
             except RestoreFailed as exc:
                 pid = await self._find_orphan(km, prov, exc)
@@ -334,6 +351,8 @@ class SnapshotManager(LoggingConfigurable):
                 await prov.kill()
                 await self._recover(km, prov, exc)
                 raise
+            if not retarget.same_session:
+                await run_agent(km, adopt_expression(kernel_id), self.busy_timeout)
             await self._resume(km, restored=True)
             commit_thread = (commit.metadata or {}).get("thread", DEFAULT_THREAD)
             if branch is not None:
@@ -352,17 +371,6 @@ class SnapshotManager(LoggingConfigurable):
         finally:
             prov.restoring = False
             self._end(state)
-
-    def _check_connection(self, km, commit) -> None:
-        saved = (commit.metadata or {}).get("connection") or {}
-        current = self._connection(km)
-        if saved and any(saved.get(k) != current.get(k) for k in _CONNECTION_FIELDS):
-            raise PreflightRefused(
-                "this snapshot was taken by a kernel with other connection settings (ports): "
-                "restoring it into this kernel is not supported yet; restore it from the kernel "
-                "session that took it",
-                reason="connection_mismatch",
-            )
 
     async def _wait_idle(self, km) -> None:
         deadline = time.monotonic() + self.busy_timeout
@@ -425,6 +433,82 @@ class SnapshotManager(LoggingConfigurable):
         self._spawn(run())
         return {"kernel_id": kernel_id, "commit": commit_id}
 
+    # --- resume: a snapshot into a new (or the notebook's running) kernel --------------------
+    async def resume(self, path: str, ref: str, *, kernel_name: str | None = None,
+                     new_notebook: bool = False, force: bool = False) -> dict:
+        """Bring commit ``ref`` back in notebook ``path``: into its running kernel if it has
+        one, else into a new kernel started for it. ``new_notebook`` first copies the notebook
+        (``<name>-<commit>.ipynb``) and resumes there, beside whatever runs in the original.
+
+        Everything that can refuse (unknown commit, other GPUs, a snapshot without a saved
+        key) refuses before a kernel is started; a resume that fails later leaves no kernel
+        it started behind.
+        """
+        repo = self.repo()
+        commit_id = await asyncio.to_thread(self._resolve, notebook_key(path), ref)
+        commit = await asyncio.to_thread(repo.get_commit, commit_id)
+        meta = commit.metadata or {}
+        await asyncio.to_thread(plan_gpu_restore, meta, force=force)
+        why_not = why_not_retargetable(meta.get("connection") or {}, self._session_connection())
+        if why_not is not None:
+            raise PreflightRefused(why_not, reason="not_resumable_here")
+        if new_notebook:
+            path = await self._copy_notebook(path, commit_id)
+        t0 = time.perf_counter()
+        async with self._path_lock(path):
+            sessions = self.serverapp.session_manager
+            session = await self._session_of(path)
+            started = session is None
+            if started:
+                session = await sessions.create_session(
+                    path=path, name=path, type="notebook",
+                    kernel_name=kernel_name or meta.get("kernel_name") or "infinijup")
+            kernel_id = session["kernel"]["id"]
+            try:
+                result = await self.restore(kernel_id, commit_id, force=force)
+            except BaseException:
+                if started:
+                    await sessions.delete_session(session["id"])
+                    self._heads.pop(kernel_id, None)
+                raise
+        return {**result, "session_id": session["id"], "path": path, "started": started,
+                "duration_s": time.perf_counter() - t0}
+
+    async def _session_of(self, path: str) -> dict | None:
+        for s in await self.serverapp.session_manager.list_sessions():
+            if s.get("path") == path and (s.get("kernel") or {}).get("id") in \
+                    self.kernel_manager.list_kernel_ids():
+                return s
+        return None
+
+    def _path_lock(self, path: str) -> asyncio.Lock:
+        return self._path_locks.setdefault(path, asyncio.Lock())
+
+    async def _copy_notebook(self, path: str, commit_id: str) -> str:
+        """A new notebook beside ``path`` for a resumed kernel (an empty one if ``path`` is
+        gone), named after the commit; returns its path."""
+        from jupyter_server.utils import ensure_async
+
+        cm = self.serverapp.contents_manager
+        directory, _, name = path.rpartition("/")
+        stem = name[:-6] if name.endswith(".ipynb") else name
+        for n in range(1, 1000):
+            suffix = commit_id[:8] if n == 1 else f"{commit_id[:8]}-{n}"
+            new_path = f"{directory}/{stem}-{suffix}.ipynb".lstrip("/")
+            if not await ensure_async(cm.exists(new_path)):
+                break
+        else:
+            raise Conflict(f"too many copies of {path}", reason="notebook_exists")
+        if await ensure_async(cm.exists(path)):
+            model = await ensure_async(cm.get(path, content=True, type="notebook"))
+            model = {"type": "notebook", "format": "json", "content": model["content"]}
+        else:
+            import nbformat
+
+            model = {"type": "notebook", "format": "json", "content": nbformat.v4.new_notebook()}
+        await ensure_async(cm.save(model, new_path))
+        return new_path
+
     # --- branch, history, status -----------------------------------------------------------
     async def branch(self, kernel_id: str, name: str) -> dict:
         self._kernel(kernel_id)
@@ -464,13 +548,31 @@ class SnapshotManager(LoggingConfigurable):
         next_thread = plan_snapshot(head, threads, None).thread
         return {
             "path": path,
-            "commits": [self._commit_json(c) for c in ordered],
+            "commits": [self._commit_json(c, self._resumable(c)) for c in ordered],
             "threads": threads,
             "head": {"thread": head.thread, "commit": head.commit, "next_thread": next_thread},
         }
 
     @staticmethod
-    def _commit_json(c) -> dict:
+    def _session_connection() -> dict:
+        """What a new Infinijup kernel of this server is sure to share with a snapshot's: the
+        user's key (transport and address are checked against the kernel itself)."""
+        return {"key": user_kernel_key().decode()}
+
+    def _resumable(self, c) -> str | None:
+        """Why commit ``c`` cannot be resumed into a new kernel here (None: it can)."""
+        meta = c.metadata or {}
+        why_not = why_not_retargetable(meta.get("connection") or {}, self._session_connection())
+        if why_not is not None:
+            return why_not
+        try:
+            plan_gpu_restore(meta)
+        except InfinijupError as exc:
+            return exc.message
+        return None
+
+    @staticmethod
+    def _commit_json(c, not_resumable: str | None = None) -> dict:
         meta = dict(c.metadata or {})
         meta.pop("connection", None)  # holds the kernel's HMAC key: never leaves the server
         stats = {k: v for k, v in dict(getattr(c, "stats", {}) or {}).items()
@@ -480,7 +582,8 @@ class SnapshotManager(LoggingConfigurable):
         gpu = meta.get("gpu") or {}
         stats["gpu_bytes"] = int(sum((gpu.get("vram_bytes") or {}).values())) if gpu else 0
         return {"id": c.id, "parents": list(c.parents), "thread": meta.get("thread", ""),
-                "message": c.message, "created": c.created, "metadata": meta, "stats": stats}
+                "message": c.message, "created": c.created, "metadata": meta, "stats": stats,
+                "resumable": not_resumable is None, "resumable_reason": not_resumable}
 
     async def status(self, kernel_id: str | None) -> dict:
         if not kernel_id:

@@ -1,0 +1,155 @@
+"""Resume anywhere (issue 11): a snapshot comes back in a new kernel, in another notebook's
+running kernel, and side by side with the kernel that took it. Real server, helper and CRIU."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import uuid
+
+import pytest
+from kernelkit import Notebook, needs_helper
+
+from infinijup.store import Repository
+
+pytestmark = [needs_helper, pytest.mark.timeout(300)]
+
+PATH = "story.ipynb"
+SETUP = """
+import numpy as np, random
+x = 41
+random.seed(3); random.random()
+rng = np.random.default_rng(7); rng.random()
+with open('data.txt', 'w') as _f: _f.write('abcdefghijklmnopqrstuvwxyz')
+f = open('data.txt'); f.read(5)
+"""
+NEXT = "(x, random.random(), float(rng.random()), f.read(3))"
+
+
+async def attach(nb: Notebook, kernel_id: str) -> Notebook:
+    nb.kernel_id = kernel_id
+    nb.ws = await nb.ws_fetch("api", "kernels", kernel_id, "channels",
+                              params={"session_id": nb.session})
+    return nb
+
+
+async def resume(nb: Notebook, commit: str, **body) -> tuple[int, dict]:
+    r = await nb.post("resume", {"path": nb.path, "commit": commit, **body})
+    return r.code, json.loads(r.body)
+
+
+async def kernel_ids(nb: Notebook) -> set[str]:
+    r = await nb.fetch("api", "kernels")
+    return {k["id"] for k in json.loads(r.body)}
+
+
+async def test_resume_after_kernel_shutdown(notebook: Notebook, jp_root_dir):
+    await notebook.execute(f"import os; os.chdir({str(jp_root_dir)!r})\n{SETUP}")
+    snap = await notebook.snapshot(message="before")
+    expected = await notebook.value(NEXT)  # what the state at the snapshot draws next
+    await notebook.fetch("api", "kernels", notebook.kernel_id, method="DELETE")
+    old_id, notebook.kernel_id = notebook.kernel_id, ""
+
+    hist = json.loads((await notebook.fetch("infinijup", "history",
+                                            params={"path": PATH})).body)
+    assert [(c["id"], c["resumable"]) for c in hist["commits"]] == [(snap["commit"], True)]
+
+    code, body = await resume(notebook, snap["commit"])
+    assert code == 200, body
+    assert body["kernel_id"] != old_id and body["started"] and body["path"] == PATH
+    nb = await attach(Notebook(notebook.fetch, notebook.ws_fetch, PATH), body["kernel_id"])
+    try:
+        assert await nb.value(NEXT) == expected
+        # the kernel knows its new id: %snapshot from inside lands on this kernel's thread
+        out = await nb.execute("%snapshot -m 'from the resumed kernel'")
+        assert "Snapshot" in out["stdout"], out
+        hist = await nb.history()
+        mine = [c for c in hist["commits"] if c["message"] == "from the resumed kernel"]
+        assert len(mine) == 1 and mine[0]["parents"] == [snap["commit"]], hist
+    finally:
+        await nb.close()
+
+
+async def test_side_by_side_and_into_another_notebook(notebook: Notebook, jp_root_dir):
+    await notebook.execute("x = 1; import random; random.seed(5)")
+    snap = await notebook.snapshot(message="template")
+    (c1, r1), (c2, r2) = await asyncio.gather(
+        resume(notebook, snap["commit"], new_notebook=True),
+        resume(notebook, snap["commit"], new_notebook=True))
+    assert (c1, c2) == (200, 200), (r1, r2)
+    assert len({r1["kernel_id"], r2["kernel_id"], notebook.kernel_id}) == 3
+    assert r1["path"] != r2["path"] and (jp_root_dir / r1["path"]).is_file()
+    a = await attach(Notebook(notebook.fetch, notebook.ws_fetch, r1["path"]), r1["kernel_id"])
+    b = await attach(Notebook(notebook.fetch, notebook.ws_fetch, r2["path"]), r2["kernel_id"])
+    try:
+        draws = [await nb.value("random.random()") for nb in (notebook, a, b)]
+        assert draws[0] == draws[1] == draws[2]  # three live copies of one state
+        await a.execute("x += 10")
+        await b.execute("x += 20")
+        sa, sb = await a.snapshot(message="a"), await b.snapshot(message="b")
+        assert (await a.value("x"), await b.value("x"), await notebook.value("x")) == (11, 21, 1)
+        assert sa["parents"] == sb["parents"] == [snap["commit"]]
+        assert sa["commit"] != sb["commit"]
+
+        # a commit of one notebook into another notebook's running kernel: same kernel id,
+        # the same websocket keeps working
+        await b.restore(sa["commit"])
+        assert await b.value("x") == 11
+        await b.execute("x += 1")
+        assert await b.value("x") == 12 and await a.value("x") == 11
+    finally:
+        await a.close()
+        await b.close()
+
+
+def _recommit(store, commit_id: str, tmp_path, edit) -> str:
+    """A new commit of ``commit_id``'s images with its metadata (and images) edited."""
+    repo = Repository.open(store)
+    try:
+        src = repo.get_commit(commit_id)
+        work = tmp_path / f"re-{uuid.uuid4().hex[:8]}"
+        repo.checkout_dir(commit_id, work)
+        meta = json.loads(json.dumps(src.metadata))
+        edit(meta, work)
+        c = repo.commit_dir(work, thread=f"{src.thread}-edited-{work.name}",
+                            message="edited", metadata=meta, parents=[commit_id],
+                            expected_tip=None)
+        shutil.rmtree(work)
+        return c.id
+    finally:
+        repo.close()
+
+
+async def test_bad_resumes_start_nothing(notebook: Notebook, tmp_path, monkeypatch):
+    import os
+
+    await notebook.execute("x = 7")
+    snap = await notebook.snapshot()
+    store = os.environ["INFINIJUP_STORE"]
+    before = await kernel_ids(notebook)
+
+    code, body = await resume(notebook, "0123456789abcdef")
+    assert code == 404, body
+
+    def no_key(meta, work):
+        meta["connection"].pop("key")
+
+    def other_gpu(meta, work):
+        meta["gpu"] = {"fingerprint": {"gpus": [{"uuid": "GPU-00000000-0000-0000-0000-000000000000",
+                                                 "name": "NVIDIA H100 80GB HBM3"}],
+                                       "driver": "580.1", "cuda": 13000}}
+
+    def short_pages(meta, work):
+        pages = sorted(work.glob("pages-*.img"), key=lambda p: p.stat().st_size)[-1]
+        with open(pages, "r+b") as f:
+            f.truncate(pages.stat().st_size - 4096)
+
+    for edit, status, reason in ((no_key, 422, "not_resumable_here"), (other_gpu, 422, "gpu_mismatch"),
+                                 (short_pages, 500, None)):
+        commit = _recommit(store, snap["commit"], tmp_path, edit)
+        code, body = await resume(notebook, commit, new_notebook=True)
+        assert code == status, body
+        assert reason is None or body["reason"] == reason, body
+        assert await kernel_ids(notebook) == before  # nothing started is left running
+    assert await notebook.value("x") == 7
