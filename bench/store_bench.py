@@ -62,6 +62,18 @@ CHUNKERS = {
     "fixed 32K": fixed_params(32 * 1024),
 }
 CHUNKER_KEYS = {"pagecdc": "pagecdc 32K (default)", "fastcdc": "fastcdc 32K", "fixed": "fixed 32K"}
+CHAIN = 5  # successive snapshots, each after dirtying 1% more pages (scattered)
+VARIANTS = ("dirty-scattered", "dirty-runs", "dirty-rewrite", "insert",
+            *(f"chain-{i}" for i in range(1, CHAIN + 1)))
+#: The image each second snapshot is committed on top of (its parent), per image kind:
+#: synthetic variants are each made from the base; the CRIU dumps follow each other.
+SNAPSHOT_PARENTS = {
+    "synthetic": {"dirty-scattered": "base", "dirty-runs": "base", "dirty-rewrite": "base",
+                  "insert": "base", "chain-1": "base",
+                  **{f"chain-{i}": f"chain-{i - 1}" for i in range(2, CHAIN + 1)}},
+    "CRIU python": {v: p for v, p in zip(VARIANTS, ("base", *VARIANTS[:-1]), strict=True)},
+}
+AIMS = {"dirty-scattered": 0.03, "dirty-runs": 0.015}  # issue 16: stored share at most
 
 HOLDER = r"""
 import os, signal, sys, time
@@ -81,12 +93,16 @@ def dirty(*_):
     r = np.random.default_rng(100 + step[0])
     for arr in (rand, ints):
         v = arr.view(np.uint8); n = v.size // PAGE; k = max(1, n // 100)
-        if mode == "scattered":
+        if mode in ("scattered", "rewrite"):
             idx = r.choice(n, k, replace=False)
         else:
             idx = (r.choice(n // 16, max(1, k // 16), replace=False)[:, None] * 16
                    + np.arange(16)).ravel()
-        v[idx * PAGE + 8] ^= 0xFF
+        if mode == "rewrite":  # whole pages get new random bytes
+            v[: n * PAGE].reshape(n, PAGE)[idx] = r.integers(0, 256, (len(idx), PAGE),
+                                                             dtype=np.uint8)
+        else:
+            v[idx * PAGE + 8] ^= 0xFF
     report(f"done {step[0]}")
 def insert(*_):
     step[0] += 1
@@ -113,7 +129,9 @@ def dir_bytes(d: Path) -> int:
 
 def synthetic_images(root: Path, size_mib: int, variants: bool = True,
                      prefix: str = "syn") -> dict[str, Path]:
-    """A page image (half random pages, half compressible ones) and, if asked, variants."""
+    """A page image (half random pages, half compressible ones) and, if asked, variants:
+    each of 1% dirtied scattered / in runs / rewritten and 1% inserted made from the base,
+    and CHAIN successive steps of 1% scattered dirtying (SNAPSHOT_PARENTS["synthetic"])."""
     n_pages = size_mib * 256
     rng = np.random.default_rng(7)
     structured = (np.arange(PAGE, dtype=np.uint32) * 31 % 251).astype(np.uint8)
@@ -128,34 +146,51 @@ def synthetic_images(root: Path, size_mib: int, variants: bool = True,
             f.write(pages.tobytes())
     (base / "pagemap-1.img").write_bytes(rng.integers(0, 256, 9000, dtype=np.uint8).tobytes())
     out = {"base": base}
-    for variant in ("dirty-scattered", "dirty-runs", "insert") if variants else ():
+    if not variants:
+        return out
+    data = np.fromfile(base / "pages-1.img", dtype=np.uint8).reshape(n_pages, PAGE)
+    k = n_pages // 100
+
+    def write(variant: str, pages: np.ndarray) -> None:
         d = root / f"{prefix}-{variant}"
         d.mkdir()
         shutil.copy(base / "pagemap-1.img", d)
-        data = np.fromfile(base / "pages-1.img", dtype=np.uint8).reshape(n_pages, PAGE)
-        k = n_pages // 100
-        if variant == "dirty-scattered":
-            data[rng.choice(n_pages, k, replace=False), 8] ^= 0xFF
-            data.tofile(d / "pages-1.img")
-        elif variant == "dirty-runs":
-            idx = (rng.choice(n_pages // 16, k // 16, replace=False)[:, None] * 16
-                   + np.arange(16)).ravel()
-            data[idx, 8] ^= 0xFF
-            data.tofile(d / "pages-1.img")
-        else:
-            with open(d / "pages-1.img", "wb") as f:
-                f.write(data[: n_pages // 2].tobytes())
-                f.write(rng.integers(0, 256, k * PAGE, dtype=np.uint8).tobytes())
-                f.write(data[n_pages // 2 :].tobytes())
+        pages.tofile(d / "pages-1.img")
         out[variant] = d
-        del data
+
+    changed = data.copy()
+    changed[rng.choice(n_pages, k, replace=False), 8] ^= 0xFF
+    write("dirty-scattered", changed)
+    changed = data.copy()
+    idx = (rng.choice(n_pages // 16, k // 16, replace=False)[:, None] * 16
+           + np.arange(16)).ravel()
+    changed[idx, 8] ^= 0xFF
+    write("dirty-runs", changed)
+    changed = data.copy()
+    changed[rng.choice(n_pages, k, replace=False)] = rng.integers(0, 256, (k, PAGE),
+                                                                  dtype=np.uint8)
+    write("dirty-rewrite", changed)
+    d = root / f"{prefix}-insert"
+    d.mkdir()
+    shutil.copy(base / "pagemap-1.img", d)
+    with open(d / "pages-1.img", "wb") as f:
+        f.write(data[: n_pages // 2].tobytes())
+        f.write(rng.integers(0, 256, k * PAGE, dtype=np.uint8).tobytes())
+        f.write(data[n_pages // 2 :].tobytes())
+    out["insert"] = d
+    changed = data
+    for step in range(1, CHAIN + 1):  # successive snapshots, each dirtying 1% more
+        changed[rng.choice(n_pages, k, replace=False), 8] ^= 0xFF
+        write(f"chain-{step}", changed)
+    del data, changed
     return out
 
 
 def criu_images(root: Path, size_mib: int, variants: bool = True,
                 prefix: str = "criu") -> dict[str, Path] | None:
-    """Dumps of a real Python process: base and, if asked, after dirtying 1% (2 ways) and
-    after inserting 1% new memory."""
+    """Dumps of a real Python process: base and, if asked, after dirtying 1% (3 ways),
+    after inserting 1% new memory and after CHAIN more steps of 1% scattered dirtying; each
+    dump is taken after the one before it (SNAPSHOT_PARENTS["criu"])."""
     if os.geteuid() != 0 or not os.access(CRIU, os.X_OK):
         return None
     status = root / f"{prefix}.status"
@@ -190,8 +225,13 @@ def criu_images(root: Path, size_mib: int, variants: bool = True,
         dump("dirty-scattered")
         signal_and_wait(signal.SIGUSR1, "runs")
         dump("dirty-runs")
+        signal_and_wait(signal.SIGUSR1, "rewrite")
+        dump("dirty-rewrite")
         signal_and_wait(signal.SIGUSR2, "")
         dump("insert")
+        for step in range(1, CHAIN + 1):
+            signal_and_wait(signal.SIGUSR1, "scattered")
+            dump(f"chain-{step}")
     finally:
         p.kill()
         p.wait()
@@ -291,18 +331,45 @@ def ingest(store: Path, params: ChunkerParams, image: Path, one_core: bool,
     return dt, repo, c.id
 
 
-def second_snapshots(store: Path, params: ChunkerParams, variants: dict[str, Path]
+def second_snapshots(store: Path, params: ChunkerParams, variants: dict[str, Path],
+                     parents: dict[str, str], out: Path, repo_cls: type = Repository
                      ) -> dict[str, float]:
-    """Stored fraction of the first snapshot and of a second one after each change."""
-    repo = Repository.init(store, chunker=params)
+    """Stored fraction of the first snapshot and of each later one (committed on top of its
+    parent image's commit), and the checkout rate of the scattered-dirty snapshot."""
+    repo = repo_cls.init(store, chunker=params)
     first = repo.commit_dir(variants["base"], thread="base")
+    commits = {"base": first.id}
     row = {"first": first.stats["stored_bytes"] / first.stats["image_bytes"]}
-    for v in ("dirty-scattered", "dirty-runs", "insert"):
-        s = repo.commit_dir(variants[v], thread=v, parents=[first.id]).stats
-        row[v] = s["stored_bytes"] / s["image_bytes"]
+    for v in VARIANTS:
+        t = time.perf_counter()
+        c = repo.commit_dir(variants[v], thread=v, parents=[commits[parents[v]]])
+        if v == "dirty-scattered":
+            row["ingest"] = mb_s(c.stats["image_bytes"], time.perf_counter() - t)
+        commits[v] = c.id
+        row[v] = c.stats["stored_bytes"] / c.stats["image_bytes"]
+    t = time.perf_counter()
+    repo.checkout_dir(commits["dirty-scattered"], out)
+    row["checkout"] = mb_s(dir_bytes(out), time.perf_counter() - t)
+    shutil.rmtree(out)
     repo.close()
     shutil.rmtree(store)
     return row
+
+
+def machine() -> str:
+    """One line: CPU model, cores, memory, Python and library versions, date."""
+    import platform
+
+    import blake3
+    import zstandard
+    model = next((line.split(":", 1)[1].strip() for line in
+                  Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor() or "?")
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (f"{model}, {os.cpu_count()} cores, {mem:.0f} GiB RAM; Python "
+            f"{platform.python_version()}, blake3 {blake3.__version__}, zstandard "
+            f"{zstandard.__version__}, numpy {np.__version__}; "
+            f"{time.strftime('%Y-%m-%d %H:%M %Z')}")
 
 
 def main() -> int:
@@ -360,7 +427,7 @@ def main() -> int:
         cat_t: dict[str, list[float]] = defaultdict(list)
         copy_t: dict[str, list[float]] = defaultdict(list)
         checkout_t: dict[tuple[str, str, str], list[float]] = defaultdict(list)
-        dedup: dict[tuple[str, str], dict[str, float]] = {}
+        dedup: dict[tuple[str, str, str], dict[str, float]] = {}
         stored: dict[tuple[str, str, str], float] = {}
         for run in range(args.runs):
             for img, variants in images.items():
@@ -387,9 +454,13 @@ def main() -> int:
                             repo.close()
                             shutil.rmtree(store)
                     if run == 0 and img in small:
-                        dedup[(img, cname)] = second_snapshots(root / "dstore", params, small[img])
+                        for version, repo_cls in versions.items():
+                            dedup[(img, cname, version)] = second_snapshots(
+                                root / "dstore", params, small[img], SNAPSHOT_PARENTS[img],
+                                root / "dcheckout", repo_cls)
         size = {img: dir_bytes(v["base"]) for img, v in images.items()}
         med = statistics.median
+        print(f"Machine: {machine()}.")
         print("Image sizes: " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in size.items())
               + f"; {args.runs} runs, medians; {os.cpu_count()} cores.\n")
         vcol = "version | " if compare else ""
@@ -403,12 +474,26 @@ def main() -> int:
             print(f"| {img} | {cname} | {cores} | {v}{r:.0f} | {c:.0f} | {r / c:.2f} "
                   f"| {stored[(img, cname, version)]:.1%} |")
         if dedup:
-            print("\n| image | chunker | 1st snapshot stored | +1% pages dirtied (scattered) "
-                  "| +1% dirtied (runs of 16 pages) | +1% pages inserted mid-image |")
-            print("|---|---|---:|---:|---:|---:|")
-            for (img, cname), row in dedup.items():
-                print(f"| {img} | {cname} | {row['first']:.1%} | {row['dirty-scattered']:.2%} | "
-                      f"{row['dirty-runs']:.2%} | {row['insert']:.2%} |")
+            print(f"\n| image | chunker | {vcol}1st snapshot stored | +1% pages dirtied "
+                  "(scattered) | +1% dirtied (runs of 16 pages) | +1% pages rewritten "
+                  f"(scattered) | +1% pages inserted mid-image | {CHAIN}th successive +1% "
+                  "scattered | ingest MB/s (scattered snapshot) | checkout MB/s (scattered "
+                  "snapshot) |")
+            print(f"|---|---|{vsep}---:|---:|---:|---:|---:|---:|---:|---:|")
+            for (img, cname, version), row in dedup.items():
+                v = f"{version} | " if compare else ""
+                print(f"| {img} | {cname} | {v}{row['first']:.1%} | "
+                      f"{row['dirty-scattered']:.2%} | {row['dirty-runs']:.2%} | "
+                      f"{row['dirty-rewrite']:.2%} | {row['insert']:.2%} | "
+                      f"{row[f'chain-{CHAIN}']:.2%} | {row['ingest']:.0f} | "
+                      f"{row['checkout']:.0f} |")
+            print("\nAims (issue 16: 2nd snapshot after 1% scattered dirty pages <= 3% of the "
+                  "image, after 1% dirty in runs <= 1.5%):")
+            for (img, cname, version), row in dedup.items():
+                verdict = ", ".join(
+                    f"{k} {row[k]:.2%} {'met' if row[k] <= aim else 'NOT met'}"
+                    for k, aim in AIMS.items())
+                print(f"- {img}, {cname}{', ' + version if compare else ''}: {verdict}")
         print(f"\n| image | chunker | {vcol}checkout MB/s | cat read+write MB/s | ratio to cat |")
         print(f"|---|---|{vsep}---:|---:|---:|")
         for (img, cname, version), ts in checkout_t.items():

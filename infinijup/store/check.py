@@ -1,7 +1,8 @@
 """``check``: verify a store end to end, and ``rebuild_index``.
 
-check walks refs -> commits -> trees -> blobs -> chunks and compares the index with every
-pack header. With ``read_data`` it also reads every object of every pack and re-hashes it.
+check walks refs -> commits -> trees -> blobs -> chunks (-> the sources of page-delta
+chunks) and compares the index with every pack header. With ``read_data`` it also reads
+every object of every pack and re-hashes it (a delta is rebuilt from its sources first).
 Damage is reported as *problems* (``ok`` is False), each naming the object and the pack.
 Harmless leftovers of interrupted writes (unindexed packs, unreferenced commits, temp
 files) are *warnings*: ``gc`` removes them.
@@ -24,9 +25,11 @@ from .errors import (
     ObjectMissing,
     StoreError,
 )
+from .index import Location
 from .lock import FileLock
 from .objects import Commit, decode_commit, hash_bytes
-from .packs import PackEntry, decode_payload, read_pack_header
+from .packs import DELTA, PackEntry, decode_payload, read_pack_header
+from .reader import ObjectReader
 
 if TYPE_CHECKING:
     from .repository import Repository
@@ -91,8 +94,15 @@ class _Checker:
         self.blobs: set[str] = set()
         self.chunks: set[bytes] = set()
         self.objects_read = 0
+        self.reader = ObjectReader(repo)
 
     def run(self, read_data: bool) -> CheckReport:
+        try:
+            return self._run(read_data)
+        finally:
+            self.reader.close()
+
+    def _run(self, read_data: bool) -> CheckReport:
         repo = self.repo
         packs, pack_problems = read_packs(repo)
         self.problems += pack_problems
@@ -110,7 +120,7 @@ class _Checker:
         return self._report(packs, len(commits))
 
     def _report(self, packs: dict[str, list[PackEntry]], ncommits: int) -> CheckReport:
-        return CheckReport(self.problems, self.warnings, ncommits, len(self.trees),
+        return CheckReport(list(dict.fromkeys(self.problems)), self.warnings, ncommits, len(self.trees),
                            len(self.blobs), len(self.chunks), len(packs), self.objects_read)
 
     def _check_index(self, packs: dict[str, list[PackEntry]]) -> None:
@@ -208,15 +218,41 @@ class _Checker:
             return
         locs = self.repo.index.lookup_many(chunk_ids)
         total = 0
+        deltas: dict[bytes, Location] = {}
         for cid in chunk_ids:
             loc = locs.get(cid)
             if loc is None:
                 self.problems.append(f"chunk {cid.hex()} (in blob {blob_id}) is missing")
                 continue
             total += loc.raw_length
+            if cid not in self.chunks and loc.compression == DELTA:
+                deltas[cid] = loc
             self.chunks.add(cid)
         if blob_size != size or (len(locs) == len(set(chunk_ids)) and total != size):
             self.problems.append(f"blob {blob_id}: size {total} does not match tree size {size}")
+        self._delta_sources(deltas)
+
+    def _delta_sources(self, deltas: dict[bytes, Location]) -> None:
+        """Every source of every delta chunk is indexed (and, transitively, its sources)."""
+        while deltas:
+            wanted: dict[bytes, bytes] = {}  # source -> a delta that needs it
+            for cid, loc in deltas.items():
+                try:
+                    for sid in self.reader.sources(cid, loc):
+                        wanted.setdefault(sid, cid)
+                except (ObjectMissing, ChecksumMismatch) as exc:
+                    self.problems.append(f"chunk {cid.hex()}: {exc}")
+            found = self.repo.index.lookup_many(list(wanted))
+            deltas = {}
+            for sid, cid in wanted.items():
+                loc = found.get(sid)
+                if loc is None:
+                    self.problems.append(
+                        f"chunk {sid.hex()} (a delta source of chunk {cid.hex()}) is missing")
+                    continue
+                if sid not in self.chunks and loc.compression == DELTA:
+                    deltas[sid] = loc
+                self.chunks.add(sid)
 
     def _read_data(self, packs: dict[str, list[PackEntry]]) -> None:
         files = layout.pack_files(self.repo)
@@ -230,9 +266,14 @@ class _Checker:
                     payload = f.read(e.length)
                     count += 1
                     try:
-                        decode_payload(payload, e.id, e.compression, e.raw_length,
-                                       f"object {e.id.hex()} in pack {name}")
-                    except ChecksumMismatch as exc:
+                        if e.compression == DELTA:
+                            self.reader.rebuild(e.id, Location(name, e.offset, e.length,
+                                                               e.raw_length, e.type, DELTA),
+                                                payload)
+                        else:
+                            decode_payload(payload, e.id, e.compression, e.raw_length,
+                                           f"object {e.id.hex()} in pack {name}")
+                    except (ChecksumMismatch, ObjectMissing) as exc:
                         found.append(str(exc))
             return found, count
 

@@ -7,7 +7,9 @@ few at a time (``multi_decompress_to_buffer`` over up to 128 KiB of output: one 
 per group), BLAKE3-verifies every chunk, and writes the run with one ``pwritev`` at its
 offset in the file. So the
 per-chunk work is one hash and the rest is per run: few, large system calls and no copies
-of raw chunks. All-zero chunks are not written (they stay holes).
+of raw chunks. All-zero chunks are not written (they stay holes). A chunk stored as a page
+delta is a run of its own: its payload is read the same way, its sources are read through
+``ObjectReader`` and the rebuilt chunk is verified as a whole.
 """
 
 from __future__ import annotations
@@ -24,10 +26,13 @@ from typing import TYPE_CHECKING, Any
 import blake3
 import zstandard
 
+from . import delta
 from .chunking import PAGE
 from .errors import ChecksumMismatch, CorruptObject, ObjectMissing
-from .objects import TreeEntry, hash_bytes
-from .packs import ZSTD, pack_path, pwritev_all
+from .index import Location
+from .objects import CHUNK, TreeEntry, hash_bytes
+from .packs import DELTA, ZSTD, pack_path, pwritev_all
+from .reader import ObjectReader
 from .writer import default_threads
 
 if TYPE_CHECKING:
@@ -58,6 +63,7 @@ class Materializer:
         self._fds_lock = threading.Lock()
         self._local = threading.local()
         self._zero_ids = _zero_chunk_ids(repo.chunker.max_size)
+        self._reader = ObjectReader(repo)  # delta chunks' sources
 
     def __enter__(self) -> Materializer:
         return self
@@ -73,6 +79,7 @@ class Materializer:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        self._reader.close()
 
     def tree(self, tree_id: str, dest: Path) -> None:
         """Create every entry of tree ``tree_id`` inside the existing directory ``dest``."""
@@ -118,6 +125,7 @@ class Materializer:
         batch_bytes = 0
         run: list[tuple[bytes, int, int, int]] = []
         run_pack, run_start, run_end, run_file, run_raw = "", 0, -1, 0, 0
+        run_delta = False
         offset = 0
         for cid in chunks:
             pack, off, length, raw, _typ, comp = locs[cid]
@@ -128,7 +136,7 @@ class Materializer:
                     run, run_end = [], -1
                 continue
             if off != run_end or pack != run_pack or run_end - run_start >= RUN_MAX \
-                    or run_raw >= RUN_MAX:
+                    or run_raw >= RUN_MAX or comp == DELTA or run_delta:
                 if run:
                     batch.append((run_pack, run_start, run_end - run_start, run_file, run))
                     if batch_bytes >= BATCH:
@@ -140,6 +148,7 @@ class Materializer:
                 run_pack, run_start, run_file, run_raw = pack, off, offset, 0
             run.append((cid, length, raw, comp))
             run_end = off + length
+            run_delta = comp == DELTA  # a delta is a run of its own
             run_raw += raw
             offset += raw
             batch_bytes += raw
@@ -161,7 +170,9 @@ class Materializer:
         return fut
 
     def _write_runs(self, fd: int, runs: list[Run]) -> None:
-        """Worker job: read, verify and write runs."""
+        """Worker job: read, verify and write runs (delta chunks last, their sources looked
+        up in one query)."""
+        deltas: list[tuple[bytes, Location, bytes, int]] = []
         for pack, start, stored, file_offset, items in runs:
             buf = self._buffer(stored)
             got = os.preadv(self._pack_fd(pack), [buf], start)
@@ -171,11 +182,32 @@ class Materializer:
                     pos += length
                     if pos > got:
                         raise ChecksumMismatch(f"object {cid.hex()} in pack {pack}: short read")
+            if items[0][3] == DELTA:
+                cid, length, raw, comp = items[0]
+                deltas.append((cid, Location(pack, start, length, raw, CHUNK, comp), bytes(buf),
+                               file_offset))
+                continue
             out = self._decode_run(buf, pack, items)
             for (cid, _length, raw, _comp), data in zip(items, out, strict=True):
                 if len(data) != raw or blake3.blake3(data).digest() != cid:
                     raise ChecksumMismatch(f"object {cid.hex()} in pack {pack}: checksum mismatch")
             pwritev_all(fd, out, file_offset)
+        if deltas:
+            self._write_deltas(fd, deltas)
+
+    def _write_deltas(self, fd: int, deltas: list[tuple[bytes, Location, bytes, int]]) -> None:
+        """Rebuild, verify and write delta chunks read by ``_write_runs``."""
+        wanted: set[bytes] = set()
+        for _cid, _loc, payload, _off in deltas:
+            try:
+                wanted.update(delta.parse(payload).sources)
+            except CorruptObject:
+                pass  # rebuild names the damaged object
+        locations = self.repo.index.lookup_many(list(wanted))
+        cache: dict[bytes, bytes] = {}
+        for cid, loc, payload, file_offset in deltas:
+            data = self._reader.rebuild(cid, loc, payload, locations=locations, cache=cache)
+            pwritev_all(fd, [data], file_offset)
 
     def _decode_run(self, buf: memoryview, pack: str, items: list[tuple[bytes, int, int, int]]
                     ) -> list[Any]:

@@ -4,8 +4,9 @@ Plan, then execute, all under the *exclusive* store lock (no writer can be dedup
 against or writing anything gc decides about):
 
 plan
-    mark every commit reachable from a thread tip, and every tree, blob and chunk they use
-    (refusing to go on if any of it is missing or damaged: run check); sort packs into
+    mark every commit reachable from a thread tip, and every tree, blob and chunk they use,
+    and the sources of every page-delta chunk among them (refusing to go on if any of it is
+    missing or damaged: run check); sort packs into
     *keep*, *repack* (>= ``REPACK_UNUSED`` of their bytes unused) and *delete* (nothing used).
 execute (each step durable before the next, so a crash leaves a valid store)
     1. copy live objects of repack packs into new packs (verified on read), index them;
@@ -25,7 +26,8 @@ from .errors import StoreError
 from .faults import crashpoint
 from .lock import FileLock
 from .objects import Commit
-from .packs import PackWriter, decode_payload, pack_path
+from .packs import DELTA, PackWriter, decode_payload, pack_path
+from .reader import ObjectReader
 
 if TYPE_CHECKING:
     from .repository import Repository
@@ -85,6 +87,7 @@ def _plan(repo: Repository) -> _Plan:
     live: set[bytes] = set()
     for commit in reachable.values():
         _mark_tree(repo, commit.tree, live)
+    _mark_delta_sources(repo, live)
     indexed_live = repo.index.known(list(live))
     if len(indexed_live) != len(live):
         missing = min(live - indexed_live).hex()
@@ -133,6 +136,26 @@ def _mark_tree(repo: Repository, tree_id: str, live: set[bytes]) -> None:
                 live.update(repo.get_blob_chunks(e.id)[1])
 
 
+def _mark_delta_sources(repo: Repository, live: set[bytes]) -> None:
+    """Add the sources of every live page-delta chunk to ``live`` (transitively)."""
+    todo = list(live)
+    with ObjectReader(repo) as reader:
+        while todo:
+            found = repo.index.lookup_many(todo)
+            todo = []
+            for oid, loc in found.items():
+                if loc.compression != DELTA:
+                    continue
+                try:
+                    sources = reader.sources(oid, loc)
+                except StoreError as exc:
+                    raise StoreError(f"gc refused: {exc} (run check)") from exc
+                for sid in sources:
+                    if sid not in live:
+                        live.add(sid)
+                        todo.append(sid)
+
+
 def _execute(repo: Repository, plan: _Plan) -> GcReport:
     index = repo.index
     written: list[str] = []
@@ -173,6 +196,7 @@ def _repack(repo: Repository, plan: _Plan) -> list[str]:
         written.append(name)
         plan.bytes_freed -= size - sum(e.length for e in w.entries)
 
+    reader = ObjectReader(repo)
     try:
         for oid, loc in repo.index.iter_objects():  # grouped by pack, in file order
             if loc.pack not in plan.repack or oid not in plan.live:
@@ -183,8 +207,11 @@ def _repack(repo: Repository, plan: _Plan) -> list[str]:
                 current, f = loc.pack, open(pack_path(repo.packs_dir, loc.pack), "rb")
             f.seek(loc.offset)
             payload = f.read(loc.length)
-            decode_payload(payload, oid, loc.compression, loc.raw_length,
-                           f"object {oid.hex()} in pack {loc.pack}")
+            if loc.compression == DELTA:  # verified by rebuilding it from its sources
+                reader.rebuild(oid, loc, payload)
+            else:
+                decode_payload(payload, oid, loc.compression, loc.raw_length,
+                               f"object {oid.hex()} in pack {loc.pack}")
             if writer is None:
                 writer = PackWriter(repo.packs_dir, repo.tmp_dir)
             writer.add(loc.type, oid, payload, loc.compression, loc.raw_length)
@@ -195,6 +222,7 @@ def _repack(repo: Repository, plan: _Plan) -> list[str]:
             finish(writer)
             writer = None
     finally:
+        reader.close()
         if f is not None:
             f.close()
         if writer is not None:

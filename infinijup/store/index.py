@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 from . import fsutil
 from .errors import IndexCorrupt
 from .objects import ID_BYTES, Commit, canonical_json
-from .packs import PackEntry
+from .packs import DELTA, PackEntry
 
 SCHEMA_VERSION = 1
 
@@ -192,7 +192,7 @@ class Index:
     def add_packs(self, packs: list[tuple[str, int, list[PackEntry]]], *,
                   replace: bool = False) -> None:
         """Record several packs in one transaction. ``replace`` moves existing objects."""
-        self._write(_pack_statements(packs, replace))
+        self._write(_pack_statements([(n, s, len(e), e) for n, s, e in packs], replace))
 
     def remove_packs(self, names: Iterable[str]) -> None:
         """Forget packs and every object located in them."""
@@ -261,6 +261,12 @@ class Index:
         for row in rows:
             yield row[0], Location(*row[1:])
 
+    def compression_totals(self) -> dict[int, tuple[int, int, int]]:
+        """Per compression (raw, zstd, delta): (count, stored bytes, raw bytes)."""
+        return {t: (c, s, r) for t, c, s, r in self._query(
+            "SELECT compression, COUNT(*), SUM(length), SUM(raw_length) FROM objects "
+            "GROUP BY compression")}
+
     def object_totals(self) -> dict[int, tuple[int, int, int]]:
         """Per object type: (count, stored bytes, raw bytes)."""
         return {t: (c, s, r) for t, c, s, r in self._query(
@@ -323,10 +329,17 @@ class Index:
 
     def replace_all(self, packs: list[tuple[str, int, list[PackEntry]]],
                     commits: list[tuple[Commit, bytes]]) -> None:
-        """Atomically replace the whole content (used by rebuild-index)."""
+        """Atomically replace the whole content (used by rebuild-index).
+
+        Where packs hold an object twice (two writers stored it at once), the index names a
+        copy stored whole before a page-delta copy, so delta sources stay whole."""
         clear = [(f"DELETE FROM {t}", (), False) for t in
                  ("objects", "packs", "commits", "commit_parents", "commit_meta")]
-        self._write(clear + _pack_statements(packs, False) + _commit_statements(commits))
+        whole = [(n, s, len(e), [x for x in e if x.compression != DELTA]) for n, s, e in packs]
+        deltas = [(n, s, len(e), [x for x in e if x.compression == DELTA]) for n, s, e in packs]
+        self._write(clear + _pack_statements(whole, False)
+                    + _pack_statements([p for p in deltas if p[3]], False)
+                    + _commit_statements(commits))
 
 
 _Stmt = tuple[str, Any, bool] | Callable[[sqlite3.Connection], None]
@@ -363,13 +376,15 @@ def _first(row: tuple[Any, ...]) -> Any:
     return row[0]
 
 
-def _pack_statements(packs: list[tuple[str, int, list[PackEntry]]], replace: bool) -> list[_Stmt]:
+def _pack_statements(packs: list[tuple[str, int, int, list[PackEntry]]], replace: bool
+                     ) -> list[_Stmt]:
+    """Statements adding packs given as (name, size, object count, entries to index)."""
     def rows_for(entries: list[PackEntry]) -> _RowsFor:
         return lambda pid: ((e.id, pid, e.offset, e.length, e.raw_length, e.type,
                              e.compression) for e in entries)
 
-    return [_pack_inserter(name, size, len(entries), rows_for(entries), replace)
-            for name, size, entries in packs]
+    return [_pack_inserter(name, size, count, rows_for(entries), replace)
+            for name, size, count, entries in packs]
 
 
 def _pack_inserter(name: str, size: int, count: int, rows: _RowsFor, replace: bool

@@ -9,7 +9,8 @@ Layout (modelled on restic)::
              32-byte BLAKE3 of everything before it in the header
 
 Object offsets are the running sum of the stored lengths. ``id`` is BLAKE3 of the object's
-plaintext; ``compression`` is 0 (raw) or 1 (zstd). A pack's name is the BLAKE3 of its header
+plaintext; ``compression`` is 0 (raw), 1 (zstd) or 2 (a page delta of other chunks, see
+delta.py; store format 2). A pack's name is the BLAKE3 of its header
 (the header lists every object id and length, so equal names mean equal contents).
 Packs are written to ``tmp/``, fsynced, then renamed into ``packs/<xx>/`` and the directory
 fsynced: a pack either exists whole or not at all.
@@ -30,9 +31,10 @@ import zstandard
 
 from . import fsutil
 from .errors import ChecksumMismatch, CorruptPack, ObjectMissing
-from .objects import ID_BYTES, TYPE_NAMES, hash_bytes
+from .objects import CHUNK, ID_BYTES, TYPE_NAMES, hash_bytes
 
-RAW, ZSTD = 0, 1
+RAW, ZSTD, DELTA = 0, 1, 2
+COMPRESSIONS = (RAW, ZSTD, DELTA)
 
 TRAILER = struct.Struct("<I4s")
 TRAILER_MAGIC = b"IJPK"
@@ -80,10 +82,12 @@ def parse_header(header: bytes, data_length: int, name: str = "?") -> list[PackE
     offset = 0
     for i in range(count):
         typ, comp, oid, length, raw = ENTRY.unpack_from(body, HEADER_HEAD.size + i * ENTRY.size)
-        if typ not in TYPE_NAMES or comp not in (RAW, ZSTD) or raw > MAX_RAW:
+        if typ not in TYPE_NAMES or comp not in COMPRESSIONS or raw > MAX_RAW:
             raise CorruptPack(f"pack {name}: entry {i} has a bad type/compression/size")
         if comp == RAW and length != raw:
             raise CorruptPack(f"pack {name}: raw entry {i} has mismatched lengths")
+        if comp == DELTA and typ != CHUNK:
+            raise CorruptPack(f"pack {name}: entry {i} is a delta but not a chunk")
         entries.append(PackEntry(typ, comp, oid, offset, length, raw))
         offset += length
     if offset != data_length:
@@ -131,7 +135,11 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 
 def decode_payload(payload: bytes, entry_id: bytes, compression: int, raw_length: int,
                    where: str) -> bytes:
-    """Decompress and BLAKE3-verify one stored object. ``where`` names it in errors."""
+    """Decompress and BLAKE3-verify one stored object. ``where`` names it in errors.
+
+    Deltas need their sources: read them with ``reader.ObjectReader``."""
+    if compression == DELTA:
+        raise ValueError(f"{where}: a delta object needs its sources (use ObjectReader)")
     if compression == RAW and len(payload) != raw_length:
         raise ChecksumMismatch(f"{where}: short read")
     if compression == ZSTD:

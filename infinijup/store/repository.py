@@ -13,6 +13,11 @@ On disk (every directory 0700, every file 0600)::
 A snapshot is written in the order packs -> index -> commit object -> ref, each step
 durable (fsync) before the next, so a crash at any point leaves every earlier commit intact
 and at worst some unreferenced garbage that ``gc`` removes.
+
+Format versions: 1 (no page deltas) and 2 (chunks may be stored as page deltas of other
+chunks, delta.py). Both are read; the first writer of a version-1 store upgrades its config
+to 2 (code that reads only version 1 then refuses the store with UnsupportedFormat instead
+of misreading it).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import time
 import urllib.parse
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -42,6 +47,7 @@ from .errors import (
     InvalidTree,
     ObjectMissing,
     RefConflict,
+    StoreError,
     StoreExists,
     StoreNotFound,
     UnknownRef,
@@ -64,7 +70,8 @@ from .objects import (
     hash_bytes,
     is_hex_id,
 )
-from .packs import decode_payload, pack_path
+from .packs import DELTA
+from .reader import ObjectReader
 from .writer import Dir, Writer, entries_from_dir
 
 if TYPE_CHECKING:
@@ -72,7 +79,8 @@ if TYPE_CHECKING:
     from .gc import GcReport
 
 FORMAT = "infinijup-store"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MIN_PREFIX = 8
 MAX_PACK = 512 << 20
 _HEX = frozenset("0123456789abcdef")
@@ -104,15 +112,18 @@ class StoreConfig:
     compression_level: int = 1
     min_saving: float = 0.05
     pack_size: int = 128 << 20
+    version: int = VERSION
+    page_deltas: bool = True  # store changed chunks as page deltas (version 2 only)
 
     def to_json(self) -> bytes:
-        """Encoding of the config file."""
+        """Encoding of the config file (always the current version)."""
         return json.dumps({
             "format": FORMAT, "version": VERSION, "id": self.id,
             "chunker": self.chunker.to_dict(),
             "compression": {"algorithm": "zstd", "level": self.compression_level,
                             "min_saving": self.min_saving},
             "pack_size": self.pack_size,
+            "page_deltas": self.page_deltas,
         }, indent=2, sort_keys=True).encode() + b"\n"
 
     @classmethod
@@ -122,15 +133,20 @@ class StoreConfig:
             obj = json.loads(data)
             if obj.get("format") != FORMAT:
                 raise UnsupportedFormat("not an infinijup store config")
-            if obj.get("version") != VERSION:
+            version = obj.get("version")
+            if version not in READABLE_VERSIONS or isinstance(version, bool):
                 raise UnsupportedFormat(
-                    f"store format version {obj.get('version')!r} is not supported "
-                    f"(this code reads version {VERSION})")
+                    f"store format version {version!r} is not supported "
+                    f"(this code reads versions {', '.join(map(str, READABLE_VERSIONS))})")
             comp = obj["compression"]
             if comp.get("algorithm") != "zstd":
                 raise UnsupportedFormat(f"unknown compression {comp.get('algorithm')!r}")
+            deltas = obj.get("page_deltas", False) if version >= 2 else False
+            if not isinstance(deltas, bool):
+                raise UnsupportedFormat("page_deltas must be true or false")
             cfg = cls(str(obj["id"]), ChunkerParams.from_dict(obj["chunker"]),
-                      int(comp["level"]), float(comp["min_saving"]), int(obj["pack_size"]))
+                      int(comp["level"]), float(comp["min_saving"]), int(obj["pack_size"]),
+                      version, deltas)
         except UnsupportedFormat:
             raise
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -165,8 +181,10 @@ class Repository:
     @classmethod
     def init(cls, path: str | os.PathLike[str], *, chunker: ChunkerParams | None = None,
              compression_level: int = 1, pack_size: int = 128 << 20,
-             lock_timeout: float = DEFAULT_TIMEOUT) -> Repository:
-        """Create a new store at ``path`` (absent or an empty directory) and open it."""
+             page_deltas: bool = True, lock_timeout: float = DEFAULT_TIMEOUT) -> Repository:
+        """Create a new store at ``path`` (absent or an empty directory) and open it.
+
+        ``page_deltas=False`` stores every new chunk whole (as format 1 did)."""
         root = Path(path).expanduser()
         if (root / "config").exists():
             raise StoreExists(f"a store already exists at {root}")
@@ -176,7 +194,7 @@ class Repository:
         for sub in ("packs", "commits", "refs", "tmp"):
             fsutil.make_private_dir(root / sub)
         config = StoreConfig(uuid.uuid4().hex, chunker or ChunkerParams(), compression_level,
-                             pack_size=pack_size)
+                             pack_size=pack_size, page_deltas=page_deltas)
         StoreConfig.from_json(config.to_json())  # validate before writing
         tmp = fsutil.temp_name(root, "config")
         fd = fsutil.open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
@@ -254,7 +272,17 @@ class Repository:
     def writer(self, *, threads: int | None = None) -> Writer:
         """A streaming writer (context manager). ``threads`` defaults to one per core, at
         most 8 (``writer.default_threads``)."""
+        self._upgrade()
         return Writer(self, threads=threads)
+
+    def _upgrade(self) -> None:
+        """Move a version-1 store to the current format before writing to it (the config
+        is rewritten atomically; every writer would write the same bytes)."""
+        if self.config.version >= VERSION:
+            return
+        config = replace(self.config, version=VERSION, page_deltas=True)
+        fsutil.atomic_write(self.path / "config", config.to_json(), tmp_dir=self.tmp_dir)
+        self.config = config
 
     def commit_tree(self, entries: Mapping[str, Any], *, thread: str, message: str = "",
                     metadata: dict[str, Any] | None = None, parents: list[str] | None = None,
@@ -273,7 +301,8 @@ class Repository:
             w.flush()
             ws = w.take_stats()
             stats = {"image_bytes": image_bytes, "stored_bytes": ws.stored_bytes,
-                     "files": ws.files, "chunks": ws.chunks, "new_chunks": ws.new_chunks}
+                     "files": ws.files, "chunks": ws.chunks, "new_chunks": ws.new_chunks,
+                     "delta_chunks": ws.delta_chunks}
             return self._commit(tree_id, thread=thread, message=message,
                                 metadata=metadata or {}, parents=parents,
                                 expected_tip=expected_tip, stats=stats)
@@ -288,14 +317,30 @@ class Repository:
     def commit_dir(self, path: str | os.PathLike[str], *, thread: str, message: str = "",
                    metadata: dict[str, Any] | None = None, parents: list[str] | None = None,
                    expected_tip: str | None = UNSET, threads: int | None = None) -> Commit:
-        """Snapshot the directory at ``path`` (files, sub-directories, symlinks, modes)."""
+        """Snapshot the directory at ``path`` (files, sub-directories, symlinks, modes).
+
+        Each file is stored against the same path in the first parent (the thread's tip by
+        default): chunks that changed in a few pages become page deltas (delta.py).
+        """
         root = Path(path)
         if not root.is_dir():
             raise InvalidTree(f"{root} is not a directory")
         with self.writer(threads=threads) as w:
-            top = entries_from_dir(w, root)
+            top = entries_from_dir(w, root, self._base_tree(parents, thread))
             return w.commit(top.entries, thread=thread, message=message, metadata=metadata,
                             parents=parents, expected_tip=expected_tip)
+
+    def _base_tree(self, parents: list[str] | None, thread: str) -> str | None:
+        """The tree of the commit a new snapshot is stored against (a hint: None if there
+        is none or it cannot be read)."""
+        if not self.config.page_deltas:
+            return None
+        try:
+            ref = parents[0] if parents else (self._read_ref(thread)
+                                              if _valid_thread_name(thread) else None)
+            return self.get_commit(ref).tree if ref else None
+        except StoreError:
+            return None
 
     def _commit(self, tree_id: str, *, thread: str, message: str, metadata: dict[str, Any],
                 parents: list[str] | None, expected_tip: str | None, stats: dict[str, Any]
@@ -332,20 +377,13 @@ class Repository:
 
     def read_object(self, oid: bytes) -> bytes:
         """The verified plaintext of object ``oid`` (raises ObjectMissing/ChecksumMismatch)."""
-        loc = self.index.lookup(oid)
-        if loc is None:
-            raise ObjectMissing(f"object {oid.hex()} is not in the index")
-        path = pack_path(self.packs_dir, loc.pack)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise ObjectMissing(f"object {oid.hex()}: pack {loc.pack} is missing") from None
-        try:
-            payload = os.pread(fd, loc.length, loc.offset)
-        finally:
-            os.close(fd)
-        return decode_payload(payload, oid, loc.compression, loc.raw_length,
-                              f"object {oid.hex()} in pack {loc.pack}")
+        with ObjectReader(self) as reader:
+            loc = reader.locate(oid)
+            try:
+                reader.pack_fd(loc.pack)
+            except ObjectMissing:
+                raise ObjectMissing(f"object {oid.hex()}: pack {loc.pack} is missing") from None
+            return reader.read(oid, loc)
 
     def get_tree(self, tree_id: str) -> list[TreeEntry]:
         """The entries of a tree object."""
@@ -546,6 +584,7 @@ class Repository:
         totals = self.index.object_totals()
         packs = self.index.packs()
         chunk = totals.get(CHUNK, (0, 0, 0))
+        deltas = self.index.compression_totals().get(DELTA, (0, 0, 0))
         logical = 0
         for commit in self.log():
             logical += int(commit.stats.get("image_bytes", 0))
@@ -560,6 +599,8 @@ class Repository:
             "chunks": chunk[0],
             "chunk_bytes_raw": chunk[2],
             "chunk_bytes_stored": chunk[1],
+            "delta_chunks": deltas[0],
+            "delta_bytes_stored": deltas[1],
             "trees": totals.get(TREE, (0, 0, 0))[0],
             "blobs": totals.get(BLOB, (0, 0, 0))[0],
             "logical_bytes": logical,

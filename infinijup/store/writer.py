@@ -27,6 +27,11 @@ compressed, and a chunk whose sample saves under 1% is stored raw without compre
 A job whose first chunk compresses compresses them all (no probing cost on compressible
 data). zstd runs over all the chunks of a job in one call (``multi_compress_to_buffer``):
 one GIL release per job instead of one per chunk, which matters with many cores.
+
+Page deltas: a stream given a ``base`` (the parent snapshot's version of the file) gets a
+page map of it (basemap.py); a job then tries to store each of its new chunks as a page
+delta of the parent's pages at the same position (delta.py) before compressing it whole.
+Without a base (a first snapshot) nothing of this runs.
 """
 
 from __future__ import annotations
@@ -46,8 +51,9 @@ import blake3
 import numpy as np
 import zstandard
 
+from .basemap import BaseMap
 from .chunking import PAGE, Candidates, Splitter
-from .errors import InvalidTree, ObjectMissing
+from .errors import InvalidTree, ObjectMissing, StoreError
 from .faults import crashpoint
 from .lock import FileLock
 from .objects import (
@@ -63,7 +69,8 @@ from .objects import (
     encode_tree,
     hash_bytes,
 )
-from .packs import RAW, ZSTD, PackWriter
+from .packs import DELTA, RAW, ZSTD, PackWriter
+from .reader import ObjectReader
 
 if TYPE_CHECKING:
     from .objects import Commit
@@ -79,6 +86,7 @@ MAX_PENDING_WRITES = 16  # pack writes queued before the main thread waits
 INDEX_BATCH = 16384  # objects of sealed packs indexed together, in one transaction
 
 MAX_DEFAULT_THREADS = 8  # see default_threads
+MIN_DELTA_FILE = 256 << 10  # smaller files are stored without looking at their parent
 
 T = TypeVar("T")
 
@@ -116,6 +124,7 @@ class WriteStats:
     stored_bytes: int = 0
     chunks: int = 0
     new_chunks: int = 0
+    delta_chunks: int = 0  # new chunks stored as page deltas
     files: int = 0
 
 
@@ -142,6 +151,7 @@ class Writer:
         self._written_lock = threading.Lock()
         self._buffers: list[bytearray] = []  # recycled read buffers
         self._zero_ids: dict[int, bytes] = {}
+        self._reader: ObjectReader | None = None  # reads parents' chunks for deltas
         self._closed = False
         cfg = repo.config
         self._level = cfg.compression_level
@@ -149,15 +159,20 @@ class Writer:
 
     # -- public API ------------------------------------------------------------------------
 
-    def add_stream(self, src: IO[bytes] | Iterable[bytes]) -> Blob:
-        """Store the bytes of a binary file object or an iterable of bytes; return its Blob."""
-        self._check_open()
-        return self._ingest(src)
+    def add_stream(self, src: IO[bytes] | Iterable[bytes], *, base: Blob | None = None) -> Blob:
+        """Store the bytes of a binary file object or an iterable of bytes; return its Blob.
 
-    def add_file(self, path: str | os.PathLike[str]) -> Blob:
-        """Store the content of the file at ``path``."""
+        ``base``: the same file in the parent snapshot, if any. Chunks that differ from it
+        in a few pages are then stored as page deltas of its chunks (see delta.py); the
+        result reads back the same either way.
+        """
+        self._check_open()
+        return self._ingest(src, base)
+
+    def add_file(self, path: str | os.PathLike[str], *, base: Blob | None = None) -> Blob:
+        """Store the content of the file at ``path`` (``base`` as for add_stream)."""
         with open(path, "rb", buffering=0) as f:
-            return self.add_stream(f)
+            return self.add_stream(f, base=base)
 
     def add_bytes(self, data: bytes) -> Blob:
         """Store ``data`` (convenience for small contents)."""
@@ -242,6 +257,8 @@ class Writer:
             self._pool.shutdown(wait=True)
         self._io.shutdown(wait=True)
         self._sealer.shutdown(wait=True)
+        if self._reader is not None:
+            self._reader.close()
         self._lock.release()
 
     def _submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
@@ -254,8 +271,13 @@ class Writer:
             fut.set_exception(exc)
         return fut
 
-    def _ingest(self, src: IO[bytes] | Iterable[bytes]) -> Blob:
-        ids, total = _StreamIngest(self, src).run()
+    def _ingest(self, src: IO[bytes] | Iterable[bytes], base: Blob | None) -> Blob:
+        bmap = None
+        if base is not None and base.size >= MIN_DELTA_FILE and self.repo.config.page_deltas:
+            if self._reader is None:
+                self._reader = ObjectReader(self.repo)
+            bmap = BaseMap.build(self.repo, self._reader, base.id)
+        ids, total = _StreamIngest(self, src, bmap).run()
         self.stats.logical_bytes += total
         body = encode_blob(total, ids)
         blob_id = hash_bytes(body)
@@ -390,9 +412,11 @@ class Writer:
                     payloads[k], comps[k] = p, ZSTD
         return payloads, comps
 
-    def _process(self, segments: list[Segment]) -> JobResult:
-        """Worker job: hash every chunk, compress those the store does not have yet."""
+    def _process(self, segments: list[Segment], bmap: BaseMap | None = None) -> JobResult:
+        """Worker job: hash every chunk, store those the store does not have yet as page
+        deltas (with a base) or compressed where it pays."""
         chunks: list[memoryview] = []
+        starts: list[int] = []  # stream offset of each chunk (for deltas)
         zero: list[bool] | None = None  # which chunks are all zeros, if any is
         for view, base, start, ends, zprefix in segments:
             if zprefix is not None:
@@ -403,6 +427,9 @@ class Writer:
             elif zero is not None:
                 zero += [False] * len(ends)
             s = start - base
+            if bmap is not None:
+                starts.append(start)
+                starts += ends[:-1]
             for e in ends:
                 e -= base
                 chunks.append(view[s:e])
@@ -421,10 +448,55 @@ class Writer:
             stored = self.repo.index.known(fresh)
             if stored:
                 fresh = [i for i in fresh if i not in stored]
-        chunks = [by_id[i] for i in fresh]
+        deltas = self._deltas(bmap, ids, chunks, starts, fresh) if bmap and fresh else {}
+        whole = [i for i in fresh if i not in deltas] if deltas else fresh
+        chunks = [by_id[i] for i in whole]
         payloads, comps = self._encode_chunks(chunks) if chunks else ([], [])
         raws = list(map(len, chunks))
+        if deltas:  # back in stream order (checkout reads consecutive chunks in one go)
+            enc = dict(zip(whole, zip(payloads, comps, raws, strict=True), strict=True))
+            for i, payload in deltas.items():
+                enc[i] = (payload, DELTA, len(by_id[i]))
+            payloads, comps, raws = (list(col) for col in zip(*(enc[i] for i in fresh),
+                                                              strict=True))
         return ids, total, fresh, payloads, comps, raws
+
+    def _deltas(self, bmap: BaseMap, ids: list[bytes], chunks: list[memoryview],
+                starts: list[int], fresh: list[bytes]) -> dict[bytes, bytes]:
+        """Worker: page-delta payloads of the new chunks that are mostly their parent's."""
+        assert self._reader is not None
+        reader = self._reader
+        ends = [s + len(c) for s, c in zip(starts, chunks, strict=True)]
+        want = set(fresh)
+        where: dict[bytes, int] = {}
+        for k, oid in enumerate(ids):
+            if oid in want and oid not in where:
+                where[oid] = k
+        cache: dict[int, bytes | None] = {}
+
+        def source(idx: int) -> bytes | None:
+            if idx not in cache:
+                try:
+                    cache[idx] = reader.read(bmap.src_ids[idx], bmap.src_locs[idx])
+                except StoreError:
+                    cache[idx] = None  # unreadable: its pages count as changed
+            return cache[idx]
+
+        out: dict[bytes, bytes] = {}
+        cctx = self._compressor()
+        for oid in fresh:
+            if not bmap.worth_trying():
+                continue
+            k = where[oid]
+            payload = None
+            for shift in bmap.shifts(ids, starts, ends, k):
+                payload = bmap.encode(chunks[k], starts[k], shift, source, cctx,
+                                      self._min_saving)
+                if payload is not None:
+                    out[oid] = payload
+                    break
+            bmap.record(payload is not None)
+        return out
 
     def _write_tree(self, entries: Mapping[str, Any]) -> tuple[str, int]:
         out: list[TreeEntry] = []
@@ -477,8 +549,10 @@ class _StreamIngest:
     reference it (raw chunks are written straight from the block) have completed.
     """
 
-    def __init__(self, writer: Writer, src: IO[bytes] | Iterable[bytes]) -> None:
+    def __init__(self, writer: Writer, src: IO[bytes] | Iterable[bytes],
+                 bmap: BaseMap | None = None) -> None:
         self.w = writer
+        self.bmap = bmap
         self.chunker = writer.repo.chunker
         self.splitter = Splitter(self.chunker)
         self.src = src
@@ -596,7 +670,7 @@ class _StreamIngest:
             window.popleft()
 
     def _submit_job(self, segments: list[Segment], end: int) -> None:
-        self.jobs.append((end, self.w._submit(self.w._process, segments)))
+        self.jobs.append((end, self.w._submit(self.w._process, segments, self.bmap)))
         self._drain(self.w.threads * 2)
 
     def _drain(self, limit: int) -> None:
@@ -618,6 +692,8 @@ class _StreamIngest:
                         raws = [raws[k] for k in keep]
                     written.update(new)
             w.stats.new_chunks += len(new)
+            if self.bmap is not None:
+                w.stats.delta_chunks += comps.count(DELTA)
             self.writes.append((end, w._put(CHUNK, new, payloads, comps, raws) if new else None))
 
 
@@ -705,9 +781,19 @@ def _reblock(chunks: Iterable[bytes]) -> Iterator[memoryview]:
         yield memoryview(bytes(buf))
 
 
-def entries_from_dir(writer: Writer, path: Path) -> Dir:
-    """Ingest the directory tree at ``path`` into ``writer``; return it as a Dir entry."""
+def entries_from_dir(writer: Writer, path: Path, base_tree: str | None = None) -> Dir:
+    """Ingest the directory tree at ``path`` into ``writer``; return it as a Dir entry.
+
+    ``base_tree``: the parent snapshot's tree; a file gets the parent's file of the same
+    path as its delta base (see Writer.add_stream).
+    """
     entries: dict[str, Any] = {}
+    base: dict[str, TreeEntry] = {}
+    if base_tree is not None:
+        try:
+            base = {e.name: e for e in writer.repo.get_tree(base_tree)}
+        except StoreError:
+            base = {}  # an unreadable parent only costs the deltas
     with os.scandir(path) as it:
         items = sorted(it, key=lambda e: e.name)
     for item in items:
@@ -715,9 +801,14 @@ def entries_from_dir(writer: Writer, path: Path) -> Dir:
         if item.is_symlink():
             entries[item.name] = Symlink(os.readlink(item.path))
         elif item.is_dir(follow_symlinks=False):
-            entries[item.name] = entries_from_dir(writer, Path(item.path))
+            old = base.get(item.name)
+            entries[item.name] = entries_from_dir(
+                writer, Path(item.path), old.id if old is not None and old.kind == "dir" else None)
         elif item.is_file(follow_symlinks=False):
-            entries[item.name] = File(writer.add_file(item.path), st.st_mode & 0o7777)
+            old = base.get(item.name)
+            parent = Blob(old.id, old.size) if old is not None and old.kind == "file" else None
+            entries[item.name] = File(writer.add_file(item.path, base=parent),
+                                      st.st_mode & 0o7777)
         else:
             raise InvalidTree(f"{item.path}: only files, directories and symlinks are stored")
     return Dir(entries, os.stat(path).st_mode & 0o7777)

@@ -313,7 +313,7 @@ def test_open_init_errors_and_default_path(tmp_path: Path, monkeypatch: pytest.M
     with pytest.raises(StoreExists):
         Repository.init(tmp_path / "busy")
     cfg = (tmp_path / "s" / "config")
-    cfg.write_text(cfg.read_text().replace('"version": 1', '"version": 99'))
+    cfg.write_text(cfg.read_text().replace('"version": 2', '"version": 99'))
     with pytest.raises(UnsupportedFormat):
         Repository.open(tmp_path / "s")
     monkeypatch.setenv("INFINIJUP_STORE", str(tmp_path / "env-store"))
