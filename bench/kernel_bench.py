@@ -4,7 +4,9 @@ For each size, in one run and on the same kernel process: a raw `criu dump` of t
 to tmpfs (the floor), then Infinijup's snapshot (quiesce, CRIU dump through the helper, store
 ingest) with its pause (the time the kernel is frozen), a second snapshot after a small cell
 (bytes the store adds), and a restore (store checkout, kill + CRIU restore, first answered
-execute request). Prints a markdown table. Run as root with CRIU in place:
+execute request), then a resume of the same snapshot into a new kernel beside the running one
+(kernel start, checkout, restore onto the new kernel's ports, first answer). Prints a markdown
+table. Run as root with CRIU in place:
 
     python bench/kernel_bench.py [--sizes-mib 100 1024 4096] [--repeat 3]
 """
@@ -32,6 +34,7 @@ from benchkit import (
 from jupyter_client import KernelManager
 
 from infinijup.engine import SnapshotEngine
+from infinijup.engine.retarget import plan_retarget, saved_connection
 from infinijup.helper_client import HelperClient
 from infinijup.store import Repository
 
@@ -46,6 +49,36 @@ def raw_dump_s(root: int, shm: Path) -> float:
     took = time.perf_counter() - t0
     shutil.rmtree(target)
     return took
+
+
+def add_resume(engine: SnapshotEngine, km: KernelManager, commit_id: str, size_mib: int,
+               add) -> None:
+    """Start a new kernel, check the snapshot out, restore it onto the new kernel's ports
+    (the original kernel keeps running beside it), first answer."""
+    t0 = time.perf_counter()
+    km2 = KernelManager(kernel_name="infinijup")
+    km2.start_kernel()
+    kc2 = km2.client()
+    kc2.start_channels()
+    try:
+        kc2.wait_for_ready(timeout=120)
+        add("kernel_start_s", time.perf_counter() - t0)
+        images = engine.materialize(commit_id)
+        retarget = plan_retarget(saved_connection(km.get_connection_info()),
+                                 saved_connection(km2.get_connection_info()))
+        km2.provisioner.restoring = True
+        rres = engine.restore(images, km2.provisioner.root_pid, port_map=retarget.port_map,
+                              log_path=km2.provisioner.log_path)
+        km2.provisioner.attach(rres.pid)
+        kc2.stop_channels()
+        kc2 = km2.client()
+        kc2.start_channels()
+        first_answer(kc2)
+        add("resume_total_s", time.perf_counter() - t0)
+        execute(kc2, f"assert len(blobs) == {size_mib} and x == 0")
+    finally:
+        kc2.stop_channels()
+        km2.shutdown_kernel(now=True)
 
 
 def one_size(size_mib: int, repeat: int, store_dir: Path, shm: Path) -> dict:
@@ -103,6 +136,8 @@ def one_size(size_mib: int, repeat: int, store_dir: Path, shm: Path) -> dict:
             add("restore_to_answer_s", time.perf_counter() - t1)
             add("restore_total_s", time.perf_counter() - t0)
             execute(kc, f"assert len(blobs) == {size_mib} and x == 0")
+            # Resume the same snapshot into a new kernel, beside the one above.
+            add_resume(engine, km, res.commit.id, size_mib, add)
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
@@ -119,6 +154,8 @@ COLUMNS = [
     ("second_stored_mib", "2nd stored MiB"), ("second_pct", "2nd stored % of image"),
     ("checkout_s", "checkout s"), ("criu_restore_s", "CRIU restore s"),
     ("restore_to_answer_s", "restore to first answer s"), ("restore_total_s", "restore incl. checkout s"),
+    ("kernel_start_s", "new kernel start s"),
+    ("resume_total_s", "resume into a new kernel (start + checkout + restore + answer) s"),
 ]
 
 
