@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from .holds import criu_notifications_wanted, hold
 from .protocol import RequestError
 
 log = logging.getLogger(__name__)
@@ -119,12 +120,18 @@ class Criu:
             opts.log_file = log_name
             opts.log_level = LOG_LEVEL
             configure(opts)
+            hold(f"criu_{kind}_request", criu_pid=swrk.pid)
             try:
-                return client.dump() if kind == "dump" else client.restore()
+                if criu_notifications_wanted(kind):
+                    resp = self._call_with_holds(ours, opts, kind, swrk.pid)
+                else:
+                    resp = client.dump() if kind == "dump" else client.restore()
             except pycriu.CRIUException as exc:
                 raise CriuFailed(
                     f"CRIU {kind} failed: {exc}\n{log_tail(images_fd, log_name)}"
                 ) from None
+            hold(f"criu_{kind}_response", criu_pid=swrk.pid)
+            return resp
         finally:
             ours.close()
             try:
@@ -132,6 +139,28 @@ class Criu:
             except subprocess.TimeoutExpired:
                 swrk.kill()
                 swrk.wait()
+
+    def _call_with_holds(self, sk: socket.socket, opts: Any, kind: str, criu_pid: int) -> Any:
+        """pycriu's request and answer, with CRIU's notifications turned on and each one a
+        hold point (tests only: see holds.py)."""
+        rpc = self.pycriu.rpc
+        req = rpc.criu_req(type=rpc.DUMP if kind == "dump" else rpc.RESTORE)
+        req.opts.MergeFrom(opts)
+        req.opts.notify_scripts = True
+        try:
+            sk.send(req.SerializeToString())
+            while True:
+                resp = rpc.criu_resp()
+                resp.ParseFromString(sk.recv(len(sk.recv(1, socket.MSG_TRUNC | socket.MSG_PEEK))))
+                if resp.type != rpc.NOTIFY:
+                    break
+                hold(f"criu_{kind}_{resp.notify.script}", criu_pid=criu_pid, pid=resp.notify.pid)
+                sk.send(rpc.criu_req(type=rpc.NOTIFY, notify_success=True).SerializeToString())
+        except OSError as exc:
+            raise self.pycriu.CRIUExceptionInternal(req.type, str(exc)) from None
+        if not resp.success:
+            raise self.pycriu.CRIUExceptionExternal(req.type, resp.type, resp.cr_errno)
+        return resp.dump if kind == "dump" else resp.restore
 
     def dump(self, pid: int, images_fd: int, *, leave_running: bool) -> None:
         """Dump the tree rooted at ``pid``. On failure CRIU resumes the tree."""

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 from jupyter_server.auth import Authorizer
-from reliakit import MISSING, KillableHelper, Notebook, make_base
+from reliakit import BUSY_TIMEOUT, MISSING, KillableHelper, Notebook, make_base
 
 
 def pytest_configure(config) -> None:
@@ -41,7 +41,8 @@ def rhelper():
 @pytest.fixture
 def helper_up(rhelper) -> KillableHelper:
     rhelper.ensure_running()
-    return rhelper
+    yield rhelper
+    rhelper.holds.release_all()  # a failed test must not leave the helper held
 
 
 @pytest.fixture
@@ -66,7 +67,7 @@ def jp_server_config(helper_up, store_path, tmp_path, monkeypatch):
         "ServerApp": {"jpserver_extensions": {"infinijup": True},
                       "allow_unauthenticated_access": False,
                       "authorizer_class": DenyByHeaderAuthorizer},
-        "SnapshotManager": {"busy_timeout": 2.0, "store_path": store_path},
+        "SnapshotManager": {"busy_timeout": BUSY_TIMEOUT, "store_path": store_path},
     }
 
 
@@ -95,6 +96,7 @@ def open_notebook(jp_fetch, jp_ws_fetch, jp_serverapp, infinijup_kernelspec, jp_
         return await nb.start(infinijup_kernelspec)
 
     yield open_one
+    rhelper.holds.release_all()
     rhelper.ensure_running()  # a test may have left it dead: shutting kernels down needs it
     for nb in opened:
         jp_asyncio_loop.run_until_complete(nb.close())
@@ -108,7 +110,7 @@ def notebook(open_notebook, jp_asyncio_loop) -> Notebook:
 
 @pytest.fixture(scope="session")
 def other_user():
-    """A second real user (created for the tests when missing, removed afterwards)."""
+    """A second real user, this run's own (created for the tests, removed afterwards)."""
     from reliakit import ensure_other_user, remove_other_user
 
     if MISSING:

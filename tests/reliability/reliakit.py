@@ -33,7 +33,6 @@ sys.path.insert(0, str(TESTS / "helper"))
 from helperkit import (  # noqa: E402
     CRIU,
     MISSING,
-    OTHER_USER,
     PYCRIU,
     HelperDaemon,
     make_base,
@@ -52,6 +51,10 @@ except ImportError:  # the kernel tests' tools still live in their conftest
 
 needs_helper = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
 
+# How long a snapshot waits for a busy kernel (its quiesce and resume calls too). Generous: a
+# hang guard on a loaded machine, never what decides a test (no test here wants a 409).
+BUSY_TIMEOUT = 60.0
+
 __all__ = ["CRIU", "PYCRIU", "Notebook", "needs_helper", "make_base"]
 
 
@@ -66,11 +69,19 @@ class KillableHelper:
         self.socket_path = str(base / "run" / "helper.sock")
         self.work_dir = work_dir or str(base / "work")
         self.starts = 0
+        self.holds = Holds(base / "holds")
 
     def start(self) -> None:
         self.daemon = HelperDaemon(self.base)
         self.daemon.work_dir = self.work_dir
-        self.daemon.start()
+        self.holds.release_all()
+        # The helper's hold points (infinijup_helper/holds.py) read this at each point; only
+        # the helper is started with it.
+        os.environ[HOLDS_ENV] = str(self.holds.directory)
+        try:
+            self.daemon.start()
+        finally:
+            os.environ.pop(HOLDS_ENV, None)
         self.starts += 1
 
     @property
@@ -155,25 +166,104 @@ async def until(predicate: Callable[[], Any], timeout: float, what: str,
         await asyncio.sleep(interval)
 
 
-class PhaseWatch:
-    """Follows one kernel's operation phases through the manager (what /infinijup/status
-    reports), without HTTP in between so no short phase is missed."""
+EVENT_SCHEMA = "https://events.infinijup.dev/operation"
+
+
+class OperationEvents:
+    """Every operation event the server publishes (its event bus), in order: no phase is
+    missed however short it is. ``close()`` stops listening."""
+
+    def __init__(self, serverapp) -> None:
+        self.logger = serverapp.event_logger
+        self.events: list[dict] = []
+        self.logger.add_listener(schema_id=EVENT_SCHEMA, listener=self._listen)
+
+    async def _listen(self, logger, schema_id, data) -> None:
+        self.events.append(dict(data))
+
+    def close(self) -> None:
+        self.logger.remove_listener(schema_id=EVENT_SCHEMA, listener=self._listen)
+
+    def phases(self, kernel_id: str | None = None, op: str | None = None) -> list[str]:
+        return [e["phase"] for e in self.events
+                if kernel_id in (None, e["kernel_id"]) and op in (None, e["op"])]
+
+    async def wait(self, kernel_id: str, phases: set[str], timeout: float = 120.0) -> str:
+        """Wait until the kernel's operation has reached (published) one of ``phases``."""
+        return await until(lambda: next((p for p in self.phases(kernel_id) if p in phases),
+                                        None), timeout,
+                           f"phase in {sorted(phases)} (seen {self.phases(kernel_id)})",
+                           interval=0.002)
+
+    def most_at_once(self, op: str) -> int:
+        """The most operations ``op`` that were under way at the same moment (from each
+        operation's first event to its last, "done" or "error")."""
+        running: set[str] = set()
+        most = 0
+        for e in self.events:
+            if e["op"] != op:
+                continue
+            if e["phase"] in ("done", "error"):
+                running.discard(e["op_id"])
+            else:
+                running.add(e["op_id"])
+            most = max(most, len(running))
+        return most
+
+
+class PhaseWatch(OperationEvents):
+    """One kernel's operation phases (kept for the tests written against it)."""
 
     def __init__(self, serverapp, kernel_id: str) -> None:
-        self.manager = serverapp.web_app.settings["infinijup_manager"]
+        super().__init__(serverapp)
         self.kernel_id = kernel_id
-        self.seen: list[str] = []
 
-    def phase(self) -> str | None:
-        op = self.manager._ops.get(self.kernel_id)
-        phase = op["phase"] if op else None
-        if phase and (not self.seen or self.seen[-1] != phase):
-            self.seen.append(phase)
-        return phase
+    async def wait(self, phases: set[str], timeout: float = 120.0) -> str:  # type: ignore[override]
+        return await super().wait(self.kernel_id, phases, timeout)
 
-    async def wait(self, phases: set[str], timeout: float = 60.0) -> str:
-        return await until(lambda: (p := self.phase()) in phases and p, timeout,
-                           f"phase in {sorted(phases)} (seen {self.seen})", interval=0.002)
+
+# --- the helper's hold points -----------------------------------------------------------------------
+HOLDS_ENV = "INFINIJUP_HELPER_HOLDS"
+
+
+class Holds:
+    """Arms the hold points of a helper started with ``INFINIJUP_HELPER_HOLDS`` (see
+    infinijup_helper/holds.py): ``arm(name)``, then ``await reached(name)`` (its details: CRIU's
+    pid...), then ``release(name)``. Nothing is armed unless a test arms it."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+    def arm(self, *names: str) -> None:
+        for name in names:
+            (self.directory / f"{name}.reached").unlink(missing_ok=True)
+            (self.directory / name).touch()
+
+    async def reached(self, name: str, timeout: float = 120.0) -> dict[str, Any]:
+        path = self.directory / f"{name}.reached"
+        await until(path.exists, timeout, f"the helper to reach {name}", interval=0.002)
+        return json.loads(path.read_text())
+
+    def is_reached(self, name: str) -> bool:
+        return (self.directory / f"{name}.reached").exists()
+
+    def release(self, *names: str) -> None:
+        for name in names:
+            (self.directory / name).unlink(missing_ok=True)
+
+    def release_all(self) -> None:
+        for entry in self.directory.iterdir():
+            entry.unlink()
+
+
+def traced_by(pid: int) -> int:
+    """The pid ptrace-attached to ``pid`` (CRIU while it holds a tree frozen), or 0."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("TracerPid:"):
+                return int(line.split()[1])
+    return 0
 
 
 # --- the store ------------------------------------------------------------------------------------
@@ -186,7 +276,8 @@ def store_check(path: str | Path, read_data: bool = True):
 
 def store_cli(path: str | Path, *args: str) -> subprocess.CompletedProcess[str]:
     """``infinijup store --store PATH ARGS`` (the command a person would run)."""
-    return subprocess.run([sys.executable, "-m", "infinijup.store", "--store", str(path), *args],
+    exe = Path(sys.executable).parent / "infinijup"  # the installed entry point
+    return subprocess.run([str(exe), "store", "--store", str(path), *args],
                           capture_output=True, text=True, timeout=300)
 
 
@@ -291,16 +382,28 @@ async def wait_restarted(nb: Notebook, serverapp, old_root: int | None,
 
 
 # --- a second real user ----------------------------------------------------------------------------
+# Each test run has its own second user: suites running at once (CI is busy) never share one,
+# so none can delete the account another is using.
+OTHER_USER_PREFIX = "infinijup-rel-"
+
+
 def ensure_other_user() -> tuple[pwd.struct_passwd, bool]:
-    """The second user of the tests (created here when missing); True when we created it."""
+    """This run's second user, created here (after removing those of runs that are gone);
+    True when we created it."""
     if shutil.which("useradd") is None:
         pytest.skip("useradd is not installed: no second real user can be created")
+    for entry in pwd.getpwall():
+        pid = entry.pw_name.removeprefix(OTHER_USER_PREFIX)
+        if entry.pw_name.startswith(OTHER_USER_PREFIX) and pid.isdigit() and \
+                not psutil.pid_exists(int(pid)):
+            subprocess.run(["userdel", entry.pw_name], check=False, capture_output=True)
+    name = f"{OTHER_USER_PREFIX}{os.getpid()}"
     try:
-        return pwd.getpwnam(OTHER_USER), False
+        return pwd.getpwnam(name), False
     except KeyError:
-        subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin",
-                        OTHER_USER], check=True)
-        return pwd.getpwnam(OTHER_USER), True
+        subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+                       check=True)
+        return pwd.getpwnam(name), True
 
 
 def remove_other_user(user: pwd.struct_passwd) -> None:
@@ -308,7 +411,7 @@ def remove_other_user(user: pwd.struct_passwd) -> None:
     while time.monotonic() < deadline and any(
             p.uids().real == user.pw_uid for p in psutil.process_iter() if _alive(p)):
         time.sleep(0.05)
-    subprocess.run(["userdel", OTHER_USER], check=False)
+    subprocess.run(["userdel", user.pw_name], check=False)
 
 
 def _alive(p: psutil.Process) -> bool:
@@ -374,7 +477,8 @@ class ServerProcess:
     """``jupyter server`` with Infinijup, as a child process: token auth, its own config, data
     and runtime dirs, the given helper socket and store."""
 
-    def __init__(self, base: Path, helper_socket: str, store: str, notebook_dir: Path) -> None:
+    def __init__(self, base: Path, helper_socket: str, store: str, notebook_dir: Path,
+                 extra_env: dict[str, str] | None = None) -> None:
         import secrets
         import socket as _socket
 
@@ -399,7 +503,7 @@ class ServerProcess:
                           "allow_root": True, "root_dir": str(notebook_dir),
                           "allow_unauthenticated_access": False},
             "IdentityProvider": {"token": self.token},
-            "SnapshotManager": {"busy_timeout": 2.0, "store_path": store}}))
+            "SnapshotManager": {"busy_timeout": BUSY_TIMEOUT, "store_path": store}}))
         self.env = {**os.environ, "JUPYTER_CONFIG_DIR": str(config), "JUPYTER_DATA_DIR": str(data),
                     "JUPYTER_PATH": str(data), "JUPYTER_RUNTIME_DIR": str(self.runtime),
                     "INFINIJUP_HELPER_SOCKET": helper_socket, "INFINIJUP_STORE": store,
@@ -407,6 +511,7 @@ class ServerProcess:
                     "JUPYTER_PLATFORM_DIRS": "1"}
         for name in ("INFINIJUP_SERVER_URL", "INFINIJUP_SERVER_TOKEN", "JPY_PARENT_PID"):
             self.env.pop(name, None)
+        self.env.update(extra_env or {})
         self.proc: subprocess.Popen | None = None
         self.log_path = base / "server.log"
 

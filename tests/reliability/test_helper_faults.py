@@ -4,18 +4,24 @@ restarts while kernels run. Real server, real helper, real kernels holding 300 M
 After each fault: ``infinijup store check --read-data`` passes, no partial commit is visible,
 the kernel runs with its state intact, and, with a helper started again on the same socket and
 work dir, the next snapshot and restore work.
+
+Each kill happens at the phase it names, never after a delay: the test waits for the server's
+phase event, for a file a hook writes, or for one of the helper's hold points
+(infinijup_helper/holds.py), where the helper (or CRIU) waits until the test lets it go on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
+import threading
 
 import psutil
 import pytest
 from reliakit import (
-    PhaseWatch,
+    OperationEvents,
     assert_store_ok,
     fill,
     ipykernel_pid,
@@ -54,16 +60,24 @@ async def next_snapshot_and_restore_work(nb, rhelper, digest: str) -> None:
     assert rhelper.user_entries() == {"images": [], "restore": []}
 
 
-async def test_helper_killed_during_quiesce(notebook, jp_serverapp, rhelper, store_path):
+async def test_helper_killed_during_quiesce(notebook, jp_serverapp, rhelper, store_path,
+                                           tmp_path):
+    """Killed while the kernel's quiesce hook runs (the hook waits for the test's go)."""
     nb = notebook
     digest, _ = await prepare(nb, seed=21)
-    await nb.execute("import time\nfrom infinijup.kernel_magics import register_quiesce_hook\n"
-                     "register_quiesce_hook(lambda: time.sleep(1.0))")
+    entered, go = tmp_path / "quiescing", tmp_path / "go"
+    await nb.execute(
+        "import os, pathlib, time\nfrom infinijup.kernel_magics import register_quiesce_hook\n"
+        "def _hold():\n"
+        f"    pathlib.Path({str(entered)!r}).touch()\n"
+        f"    while not os.path.exists({str(go)!r}):\n"
+        "        time.sleep(0.005)\n"
+        "register_quiesce_hook(_hold)")
     before = store_state(store_path)
-    watch = PhaseWatch(jp_serverapp, nb.kernel_id)
     task = asyncio.ensure_future(nb.post("snapshot", {"kernel_id": nb.kernel_id}))
-    await watch.wait({"quiesce"})
+    await until(entered.exists, 120, "the quiesce hook to run")
     rhelper.kill()
+    go.touch()
     r = await task
     assert r.code == 503, r.body
     body = json.loads(r.body)
@@ -75,20 +89,25 @@ async def test_helper_killed_during_quiesce(notebook, jp_serverapp, rhelper, sto
 
 
 async def test_helper_killed_during_criu_dump(notebook, jp_serverapp, rhelper, store_path):
+    """Killed once CRIU has started dumping (its log is written: it has what it needs from
+    the helper): CRIU, orphaned, dumps on and lets the kernel go. The helper holds CRIU's
+    answer back (hold point), so the server can only learn of the dump from the helper's
+    death, even should CRIU finish before the kill."""
     nb = notebook
     digest, _ = await prepare(nb, seed=22)
     before = store_state(store_path)
-    watch = PhaseWatch(jp_serverapp, nb.kernel_id)
+    rhelper.holds.arm("criu_dump_request", "criu_dump_response")
     task = asyncio.ensure_future(nb.post("snapshot", {"kernel_id": nb.kernel_id}))
-    await watch.wait({"dump"})
-    await until(rhelper.criu_children, 30, "CRIU to start dumping", interval=0.002)
-    orphans = rhelper.kill()
-    assert orphans, "CRIU was running when the helper was killed"
+    criu = psutil.Process((await rhelper.holds.reached("criu_dump_request"))["criu_pid"])
+    rhelper.holds.release("criu_dump_request")
+    log = await until(lambda: staged_file(rhelper, "dump", "criu.log"), 120, "CRIU to start dumping")
+    rhelper.kill()
     r = await task
     assert r.code == 500, r.body
     assert json.loads(r.body)["reason"] == "helper_disconnected"
     # The orphaned CRIU finishes its dump and lets the kernel go: the kernel is not left frozen.
-    wait_gone(orphans)
+    wait_gone([criu])
+    assert "Dumping finished successfully" in open(log).read()
     await state_intact(nb, digest, {"x": "current"})
     assert store_state(store_path) == before
     assert_store_ok(store_path)
@@ -100,10 +119,10 @@ async def test_helper_killed_during_store_ingest(notebook, jp_serverapp, rhelper
     nb = notebook
     digest, base = await prepare(nb, seed=23)
     before = store_state(store_path)
-    watch = PhaseWatch(jp_serverapp, nb.kernel_id)
+    events = OperationEvents(jp_serverapp)
     task = asyncio.ensure_future(nb.post("snapshot", {"kernel_id": nb.kernel_id}))
-    await watch.wait({"store"})
-    rhelper.kill()
+    await events.wait(nb.kernel_id, {"store"})  # (the helper has answered: killed during or
+    rhelper.kill()                               # after the ingest, the answer is the same)
     r = await task
     assert r.code == 201, r.body
     snap = json.loads(r.body)
@@ -119,18 +138,30 @@ async def test_helper_killed_during_store_ingest(notebook, jp_serverapp, rhelper
 
 
 async def test_helper_killed_during_restore_checkout(notebook, jp_serverapp, rhelper,
-                                                     store_path):
+                                                     store_path, monkeypatch):
     """Killed before the kernel is touched: the running kernel is kept, the reason shown."""
+    from infinijup.store import Repository
+
     nb = notebook
     digest, _ = await prepare(nb, seed=24)
     big = await nb.snapshot(message="300 MiB to check out")
     root = provisioner(jp_serverapp, nb.kernel_id).root_pid
     before = store_state(store_path)
-    watch = PhaseWatch(jp_serverapp, nb.kernel_id)
+    # The checkout (in the server, a worker thread) waits at its start for the test's go.
+    checking_out, go = threading.Event(), threading.Event()
+    checkout_dir = Repository.checkout_dir
+
+    def held(self, *args, **kwargs):
+        checking_out.set()
+        assert go.wait(120)
+        return checkout_dir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Repository, "checkout_dir", held)
     task = asyncio.ensure_future(nb.post("restore", {"kernel_id": nb.kernel_id,
                                                      "commit": big["commit"]}))
-    await watch.wait({"store"})
+    await until(checking_out.is_set, 120, "the restore to start checking out")
     rhelper.kill()
+    go.set()
     r = await task
     assert r.code == 500, r.body
     body = json.loads(r.body)
@@ -142,21 +173,23 @@ async def test_helper_killed_during_restore_checkout(notebook, jp_serverapp, rhe
     await next_snapshot_and_restore_work(nb, rhelper, digest)
 
 
-async def start_restore_to_interrupt(nb, jp_serverapp, rhelper, store_path, seed: int):
+async def start_restore_to_interrupt(nb, jp_serverapp, rhelper, store_path, seed: int,
+                                     *holds: str):
     """A kernel with 300 MiB snapshotted as x == 'snapshotted', then moved on; a restore of
-    that snapshot is started and has reached CRIU when this returns."""
+    that snapshot is started and, when this returns, the old kernel is gone, CRIU runs and the
+    helper waits at its hold point ``criu_restore_request`` (not sent CRIU its request yet).
+    ``holds``: more hold points to arm."""
     digest, _ = await prepare(nb, seed=seed)
     await nb.execute("x = 'snapshotted'")
     snap = await nb.snapshot(message="to restore")
     await nb.execute("x = 'moved on'")
     ctx = {"digest": digest, "snap": snap, "before": store_state(store_path),
            "old_root": provisioner(jp_serverapp, nb.kernel_id).root_pid}
-    watch = PhaseWatch(jp_serverapp, nb.kernel_id)
+    rhelper.holds.arm("criu_restore_request", *holds)
     ctx["task"] = asyncio.ensure_future(nb.post("restore", {"kernel_id": nb.kernel_id,
                                                             "commit": snap["commit"]}))
-    await watch.wait({"restore"})
-    ctx["criu"] = await until(rhelper.criu_children, 30, "CRIU to start restoring",
-                              interval=0.001)
+    ctx["criu_pid"] = (await rhelper.holds.reached("criu_restore_request"))["criu_pid"]
+    ctx["criu"] = [psutil.Process(ctx["criu_pid"])]
     return ctx
 
 
@@ -202,10 +235,11 @@ async def check_interrupted_restore(nb, jp_serverapp, rhelper, store_path, ctx) 
 async def test_helper_killed_after_criu_restored(notebook, jp_serverapp, rhelper, store_path):
     """The worst moment: CRIU has restored the tree (the old kernel is gone) but the helper
     dies before it answers. The server finds the restored tree and adopts it."""
-    ctx = await start_restore_to_interrupt(notebook, jp_serverapp, rhelper, store_path, 25)
-    rhelper.daemon.proc.send_signal(signal.SIGSTOP)  # hold the answer back...
-    await until(lambda: all(_exited(p) for p in ctx["criu"]), 60, "CRIU to finish")
-    rhelper.kill()  # ...and die with it
+    ctx = await start_restore_to_interrupt(notebook, jp_serverapp, rhelper, store_path, 25,
+                                           "criu_restore_response")
+    rhelper.holds.release("criu_restore_request")
+    await rhelper.holds.reached("criu_restore_response")  # CRIU answered; the helper holds it
+    rhelper.kill()
     outcome = await check_interrupted_restore(notebook, jp_serverapp, rhelper, store_path, ctx)
     assert outcome == "adopted"
 
@@ -223,23 +257,44 @@ async def test_helper_and_criu_killed_at_criu_start(notebook, jp_serverapp, rhel
 
 
 async def test_helper_killed_during_criu_restore(notebook, jp_serverapp, rhelper, store_path):
-    """A plain SIGKILL of the helper once CRIU has created the restored tree. Depending on how
-    far CRIU got, the tree dies with the helper (CRIU's parent-death signal on it) or lives on:
-    either outcome must be handled (see check_interrupted_restore)."""
-    ctx = await start_restore_to_interrupt(notebook, jp_serverapp, rhelper, store_path, 27)
-    kids = {p.pid for p in psutil.Process(rhelper.pid).children()}
-    await until(lambda: {p.pid for p in psutil.Process(rhelper.pid).children()} - kids, 30,
-                "CRIU to create the restored tree (a child of the helper)", interval=0.001)
+    """A plain SIGKILL of the helper once CRIU has started restoring (its log is written). The
+    helper holds CRIU's answer back (hold point), so the server learns nothing but the
+    helper's death. Depending on how far CRIU got, the tree dies with the helper (its parent)
+    or CRIU restores it on its own: either outcome must be handled (check_interrupted_restore;
+    the next two tests force each one)."""
+    ctx = await start_restore_to_interrupt(notebook, jp_serverapp, rhelper, store_path, 27,
+                                           "criu_restore_response")
+    rhelper.holds.release("criu_restore_request")
+    await until(lambda: staged_file(rhelper, "restore", "restore.log"), 120, "CRIU to start restoring")
     rhelper.kill()
     outcome = await check_interrupted_restore(notebook, jp_serverapp, rhelper, store_path, ctx)
     print(f"helper killed during CRIU restore: {outcome}")
 
 
-def _exited(proc: psutil.Process) -> bool:
-    try:
-        return proc.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
+async def test_helper_killed_when_criu_created_the_tree(notebook, jp_serverapp, rhelper,
+                                                        store_path):
+    """A plain SIGKILL of the helper while CRIU restores, the tree created but not yet
+    resumed (CRIU waits at its post-restore notification): the tree dies with its parent, the
+    helper, and the server reports the kernel dead and restarts it later."""
+    ctx = await start_restore_to_interrupt(notebook, jp_serverapp, rhelper, store_path, 28,
+                                           "criu_restore_post-restore")
+    rhelper.holds.release("criu_restore_request")
+    tree = (await rhelper.holds.reached("criu_restore_post-restore"))["pid"]
+    assert psutil.Process(tree).ppid() == rhelper.pid  # created, a child of the helper
+    rhelper.kill()
+    outcome = await check_interrupted_restore(notebook, jp_serverapp, rhelper, store_path, ctx)
+    assert outcome == "restarted"
+
+
+def staged_file(rhelper, prefix: str, name: str) -> str | None:
+    """The helper's staging dir of a dump or restore (``<work>/.staging/PREFIX-*``) when
+    ``name`` is in it (CRIU's log: CRIU has opened the dir and runs)."""
+    root = os.path.join(rhelper.work_dir, ".staging")
+    for entry in os.listdir(root):
+        path = os.path.join(root, entry, name)
+        if entry.startswith(prefix + "-") and os.path.exists(path):
+            return path
+    return None
 
 
 def listeners(port: int) -> list:
@@ -249,7 +304,7 @@ def listeners(port: int) -> list:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 async def test_helper_restart_while_kernels_run(open_notebook, jp_serverapp, rhelper,
-                                                store_path, sig):
+                                                store_path, sig, tmp_path):
     """Two kernels run; the helper stops (cleanly or killed) and starts again: both kernels
     keep running and can be snapshotted, restored, interrupted and shut down."""
     a = await open_notebook("a.ipynb")
@@ -275,10 +330,12 @@ async def test_helper_restart_while_kernels_run(open_notebook, jp_serverapp, rhe
     # the snapshot from before the restart restores too, and interrupting still works
     await a.restore(snap_a["commit"])
     assert await a.value("v") == "a"
-    cell = b.send_execute("import time; time.sleep(30)")
-    await asyncio.sleep(0.5)
+    running = tmp_path / "running"
+    cell = b.send_execute(f"import pathlib, time; pathlib.Path({str(running)!r}).touch(); "
+                          "time.sleep(600)")
+    await until(running.exists, 120, "the cell to run")
     r = await b.fetch("api", "kernels", b.kernel_id, "interrupt", method="POST", body="")
     assert r.code == 204
-    out = await b.collect(cell, timeout=15)
+    out = await b.collect(cell, timeout=120)
     assert out["error"] and "KeyboardInterrupt" in out["error"]
     assert_store_ok(store_path)

@@ -1,0 +1,61 @@
+"""Hold points: where the reliability tests stop the helper, and CRIU, at a named phase.
+
+Inert unless the helper was started with ``INFINIJUP_HELPER_HOLDS=DIR`` (its environment is
+root's: nothing a client sends reaches this). A point NAME is armed while the file ``DIR/NAME``
+exists: reaching it, the helper writes ``DIR/NAME.reached`` (JSON details, such as CRIU's pid)
+and waits until ``DIR/NAME`` is removed. A test kills or stops processes meanwhile, knowing
+exactly where the operation is, instead of guessing from a delay.
+
+The points (KIND is ``dump`` or ``restore``):
+
+* ``criu_KIND_request``: CRIU runs, its request is not sent yet;
+* ``criu_KIND_ACTION``: inside CRIU, at its own notifications (asked for only while such a
+  point is armed): ``pre-dump``, ``query-ext-files`` (the tree frozen, nothing dumped yet),
+  ``post-dump`` (dumped, still frozen); ``pre-restore``, ``post-restore`` (the tree created, not
+  yet resumed), ``pre-resume``, ``post-resume``;
+* ``criu_KIND_response``: CRIU has answered, the helper has not acted on the answer yet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+ENV = "INFINIJUP_HELPER_HOLDS"
+POLL_S = 0.005
+
+
+def _dir() -> str | None:
+    return os.environ.get(ENV) or None
+
+
+CRIU_ACTIONS = {
+    "dump": ("pre-dump", "query-ext-files", "post-dump"),
+    "restore": ("pre-restore", "post-restore", "pre-resume", "post-resume"),
+}
+
+
+def criu_notifications_wanted(kind: str) -> bool:
+    """Whether a point inside CRIU (``criu_KIND_ACTION``) is armed now."""
+    directory = _dir()
+    return directory is not None and any(
+        os.path.exists(os.path.join(directory, f"criu_{kind}_{action}"))
+        for action in CRIU_ACTIONS[kind])
+
+
+def hold(name: str, **details: Any) -> None:
+    """Announce ``name`` and wait while it is armed; return at once when it is not."""
+    directory = _dir()
+    if directory is None:
+        return
+    point = os.path.join(directory, name)
+    if not os.path.exists(point):
+        return
+    tmp = f"{point}.reached.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"name": name, "helper_pid": os.getpid(), **details}, f)
+    os.replace(tmp, f"{point}.reached")
+    while os.path.exists(point):
+        time.sleep(POLL_S)
