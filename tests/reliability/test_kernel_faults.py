@@ -1,4 +1,6 @@
-"""The kernel itself dies in the middle of a snapshot (SIGKILL of the real ipykernel process)."""
+"""The kernel itself dies in the middle of a snapshot (SIGKILL of the real ipykernel process),
+and clients connect to a kernel CRIU holds frozen. Each acts at the phase it names: CRIU waits
+at a hold point (infinijup_helper/holds.py) with the tree frozen, or the server's phase event."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 from reliakit import (
-    PhaseWatch,
+    OperationEvents,
     assert_store_ok,
     fill,
     ipykernel_pid,
@@ -19,11 +21,14 @@ from reliakit import (
     provisioner,
     state_intact,
     store_state,
+    traced_by,
     until,
     wait_restarted,
 )
 
 pytestmark = [needs_helper, pytest.mark.timeout(240)]
+
+FROZEN = "criu_dump_query-ext-files"  # CRIU has frozen the tree and dumped nothing yet
 
 
 async def test_kernel_killed_during_criu_dump(notebook, jp_serverapp, rhelper, store_path):
@@ -36,11 +41,12 @@ async def test_kernel_killed_during_criu_dump(notebook, jp_serverapp, rhelper, s
     before = store_state(store_path)
     root = provisioner(jp_serverapp, nb.kernel_id).root_pid
     kernel = ipykernel_pid(root)
-    watch = PhaseWatch(jp_serverapp, nb.kernel_id)
+    rhelper.holds.arm(FROZEN)
     task = asyncio.ensure_future(nb.post("snapshot", {"kernel_id": nb.kernel_id}))
-    await watch.wait({"dump"})
-    await until(rhelper.criu_children, 30, "CRIU to start dumping", interval=0.002)
+    criu = (await rhelper.holds.reached(FROZEN))["criu_pid"]
+    assert traced_by(kernel) == criu  # CRIU holds the kernel frozen, has dumped nothing yet
     psutil.Process(kernel).send_signal(signal.SIGKILL)
+    rhelper.holds.release(FROZEN)
     r = await task
     assert r.code == 500, r.body
     body = json.loads(r.body)
@@ -71,10 +77,10 @@ async def test_kernel_killed_during_store_ingest(notebook, jp_serverapp, rhelper
     await nb.execute("x = 'in the snapshot'")
     root = provisioner(jp_serverapp, nb.kernel_id).root_pid
     kernel = ipykernel_pid(root)
-    watch = PhaseWatch(jp_serverapp, nb.kernel_id)
+    events = OperationEvents(jp_serverapp)
     task = asyncio.ensure_future(nb.post("snapshot", {"kernel_id": nb.kernel_id}))
-    await watch.wait({"store"})
-    psutil.Process(kernel).send_signal(signal.SIGKILL)
+    await events.wait(nb.kernel_id, {"store"})  # the images are taken: during the ingest or
+    psutil.Process(kernel).send_signal(signal.SIGKILL)  # after it, the answer is the same
     r = await task
     assert r.code == 201, r.body
     snap = json.loads(r.body)
@@ -133,9 +139,9 @@ def test_connection_in_flight_during_dump(rhelper, tmp_path):
 
 async def test_clients_connecting_while_the_kernel_is_frozen(notebook, jp_serverapp, rhelper,
                                                              store_path):
-    """A client connects to the kernel's ports while CRIU holds it frozen (a new browser tab,
+    """Clients connect to the kernel's ports while CRIU holds it frozen (a new browser tab,
     the server's own channels reconnecting): those connections wait in the listen queue,
-    "in flight". The snapshot must not fail for them."""
+    "in flight", as CRIU dumps the listening sockets. The snapshot must not fail for them."""
     import socket
 
     nb = notebook
@@ -144,22 +150,25 @@ async def test_clients_connecting_while_the_kernel_is_frozen(notebook, jp_server
     info = jp_serverapp.kernel_manager.get_kernel(nb.kernel_id).get_connection_info()
     ports = [info[k] for k in ("shell_port", "iopub_port", "stdin_port", "control_port",
                                "hb_port")]
-    watch = PhaseWatch(jp_serverapp, nb.kernel_id)
+    kernel = ipykernel_pid(provisioner(jp_serverapp, nb.kernel_id).root_pid)
+    rhelper.holds.arm(FROZEN)
     task = asyncio.ensure_future(nb.post("snapshot", {"kernel_id": nb.kernel_id}))
-    await watch.wait({"dump"})
-    await until(rhelper.criu_children, 30, "CRIU to start dumping", interval=0.001)
+    criu = (await rhelper.holds.reached(FROZEN))["criu_pid"]
     clients = []
     try:
-        while not task.done() and rhelper.criu_children():
-            for port in ports:
-                clients.append(socket.create_connection(("127.0.0.1", port), timeout=5))
-            await asyncio.sleep(0.002)
+        assert traced_by(kernel) == criu  # frozen by CRIU...
+        for port in ports:
+            for _ in range(3):
+                clients.append(socket.create_connection(("127.0.0.1", port), timeout=30))
+        assert traced_by(kernel) == criu  # ...all the while the clients connected
+        rhelper.holds.release(FROZEN)
         r = await task
         assert r.code == 201, r.body
     finally:
         for c in clients:
             c.close()
-    print(f"{len(clients)} connections opened while CRIU dumped")
+    assert len(clients) == 3 * len(ports)
+    print(f"{len(clients)} connections opened while CRIU held the kernel frozen")
     snap = json.loads(r.body)
     await nb.execute("x = 'after'")
     await nb.restore(snap["commit"])
