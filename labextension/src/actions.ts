@@ -1,7 +1,8 @@
 /**
- * The user-facing operations: snapshot, restore, branch, copy id. They ask
- * for input (message, commit, thread name, confirmation) per the settings,
- * track progress in a notification and refresh the history.
+ * The user-facing operations: snapshot, restore, branch, resume, copy id.
+ * They say why when they cannot run (no kernel, a kernel Infinijup does not
+ * manage, an unknown commit), check the commit before asking for
+ * confirmation, track progress in a notification and refresh the history.
  */
 
 import {
@@ -17,6 +18,12 @@ import type { Kernel } from '@jupyterlab/services';
 import { ISignal, Signal } from '@lumino/signaling';
 
 import {
+  commitTitle,
+  INextSnapshot,
+  nextSnapshot,
+  resolveRef
+} from './commits';
+import {
   formatAge,
   formatBytes,
   formatSeconds,
@@ -26,13 +33,16 @@ import {
 import { asRequestError } from './errors';
 import type { ManagedKernels } from './kernels';
 import type { HistoryModel } from './model';
+import { CommitPicker } from './picker';
 import type { ProgressTracker } from './progress';
 import type {
+  IBranchResult,
   ICommit,
   IHistory,
   IInfinijupAPI,
   IOperationEvent,
   IRestoreResult,
+  IResumeResult,
   ISnapshotResult
 } from './types';
 
@@ -51,6 +61,9 @@ export const DEFAULT_SETTINGS: IInfinijupSettings = {
   collapseMinRun: 10
 };
 
+/** The kernel a notebook must run to be snapshotted. */
+const KERNEL_DISPLAY_NAME = 'Python 3 (Infinijup)';
+
 export class InfinijupActions {
   constructor(options: InfinijupActions.IOptions) {
     this._api = options.api;
@@ -60,12 +73,14 @@ export class InfinijupActions {
     this.model = options.model;
     this._getSettings = options.settings;
     this._setSetting = options.setSetting;
+    this._openNotebook = options.openNotebook;
+    this._changeKernel = options.changeKernel;
   }
 
   readonly managed: ManagedKernels;
   readonly model: HistoryModel;
 
-  /** Emitted when an operation starts or ends on a kernel. */
+  /** Emitted when an operation starts or ends on a kernel (or notebook path). */
   get busyChanged(): ISignal<this, string> {
     return this._busyChanged;
   }
@@ -83,11 +98,29 @@ export class InfinijupActions {
     return panel?.sessionContext.session?.kernel ?? null;
   }
 
-  /** Whether snapshots and restores can run on this notebook's kernel. */
+  /** Whether the notebook's kernel is managed by Infinijup. */
+  isManaged(panel: NotebookPanel | null): boolean {
+    const kernel = this.kernelOf(panel);
+    return !!kernel && this.managed.isManaged(kernel);
+  }
+
+  /** Whether snapshots and restores can run on this notebook's kernel now. */
   canOperate(panel: NotebookPanel | null): boolean {
     const kernel = this.kernelOf(panel);
     return (
-      !!kernel && this.managed.isManaged(kernel) && !this.isBusy(kernel.id)
+      !!kernel &&
+      this.managed.isManaged(kernel) &&
+      !this.isBusy(kernel.id) &&
+      !this.isBusy(pathKey(panel))
+    );
+  }
+
+  /** Whether a kernel can be resumed into this notebook now. */
+  canResume(panel: NotebookPanel | null): boolean {
+    return (
+      !!panel &&
+      !this.isBusy(pathKey(panel)) &&
+      !this.isBusy(this.kernelOf(panel)?.id)
     );
   }
 
@@ -116,7 +149,7 @@ export class InfinijupActions {
     panel: NotebookPanel | null,
     options: { message?: string } = {}
   ): Promise<ISnapshotResult | null> {
-    const kernel = this._requireKernel(panel, 'snapshot');
+    const kernel = this._requireManaged(panel, 'snapshot');
     if (!panel || !kernel) {
       return null;
     }
@@ -161,26 +194,38 @@ export class InfinijupActions {
 
   /**
    * Restore a notebook's kernel to a commit (asking which when `ref` is not
-   * given), optionally starting a new thread there.
+   * given), optionally starting a new thread there. Without a kernel, or with
+   * a kernel Infinijup does not manage, the commit is resumed into a new
+   * kernel instead (`resume`).
    */
   async restore(
     panel: NotebookPanel | null,
     ref?: string,
     options: { branch?: string } = {}
-  ): Promise<IRestoreResult | null> {
-    const op = options.branch ? 'branch' : 'restore';
-    const kernel = this._requireKernel(panel, op);
+  ): Promise<IRestoreResult | IResumeResult | null> {
+    if (panel && !options.branch && !this.isManaged(panel)) {
+      return this.resume(panel, ref);
+    }
+    const op = options.branch ? 'branch from a snapshot' : 'restore a snapshot';
+    const kernel = this._requireManaged(panel, op);
     if (!panel || !kernel) {
       return null;
     }
+    const history = await this._loadHistory(panel);
     if (!ref) {
       ref =
-        (await this.pickCommit(panel, 'Restore Kernel Snapshot')) ?? undefined;
+        (await this.pickCommit(panel, 'Restore Kernel Snapshot', history)) ??
+        undefined;
       if (!ref) {
         return null;
       }
     }
-    const label = this._describeRef(panel, ref);
+    // Check first, then confirm.
+    const commit = this._check(panel, ref, history);
+    if (commit === null) {
+      return null;
+    }
+    const label = describe(commit, ref);
     if (this._getSettings().confirmRestore) {
       const result = await showDialog({
         title: options.branch
@@ -207,6 +252,7 @@ export class InfinijupActions {
         void this._setSetting('confirmRestore', false);
       }
     }
+    const target = commit?.id ?? ref;
     let force = false;
     let refusal = '';
     for (;;) {
@@ -219,15 +265,17 @@ export class InfinijupActions {
       try {
         const result = await this._api.restore({
           kernel_id: kernel.id,
-          commit: ref,
+          commit: target,
           branch: options.branch,
           force: force || undefined
         });
         await resyncKernel(kernel);
+        const next = await this._nextAfter(kernel.id, result.thread);
         handle.succeed(
           `Restored ${shortId(result.commit)}` +
-            `${options.branch ? ` into new thread ${result.thread}` : ` (thread ${result.thread})`}` +
-            ` in ${formatSeconds(result.duration_s)}`
+            (options.branch ? ` into new thread ${options.branch}` : '') +
+            ` in ${formatSeconds(result.duration_s)}` +
+            (next && !options.branch ? ` · ${describeNext(next)}` : '')
         );
         this._refreshIfShown(panel);
         return result;
@@ -261,27 +309,40 @@ export class InfinijupActions {
     }
   }
 
-  /** Start a new thread at a commit (asking for the commit and the name). */
+  /**
+   * Start a new thread at a commit (asking for the commit and the name).
+   * At HEAD the kernel is left alone (nothing to restore, nothing lost);
+   * elsewhere the commit is restored into the new thread.
+   */
   async branch(
     panel: NotebookPanel | null,
     ref?: string,
     thread?: string
-  ): Promise<IRestoreResult | null> {
-    if (!this._requireKernel(panel, 'branch') || !panel) {
+  ): Promise<IRestoreResult | IBranchResult | IResumeResult | null> {
+    const kernel = this._requireManaged(panel, 'branch from a snapshot');
+    if (!panel || !kernel) {
       return null;
     }
+    const history = await this._loadHistory(panel);
     if (!ref) {
       ref =
-        (await this.pickCommit(panel, 'Branch from Kernel Snapshot')) ??
-        undefined;
+        (await this.pickCommit(
+          panel,
+          'Branch from Kernel Snapshot',
+          history
+        )) ?? undefined;
       if (!ref) {
         return null;
       }
     }
-    const threads = this._threadsOf(panel);
+    const commit = this._check(panel, ref, history);
+    if (commit === null) {
+      return null;
+    }
+    const threads = history?.threads ?? null;
     while (!thread) {
       const result = await InputDialog.getText({
-        title: `Branch from ${this._describeRef(panel, ref)}`,
+        title: `Branch from ${describe(commit, ref)}`,
         label: 'Name of the new thread',
         placeholder: 'e.g. try-lower-lr',
         okLabel: 'Next'
@@ -305,51 +366,152 @@ export class InfinijupActions {
       }
       thread = value;
     }
-    return this.restore(panel, ref, { branch: thread });
+    const head = history?.head?.commit ?? null;
+    if (commit && head === commit.id) {
+      return this._branchAtHead(panel, kernel, commit, thread);
+    }
+    return this.restore(panel, commit?.id ?? ref, { branch: thread });
   }
 
   /**
-   * Ask for a commit: a list of the notebook's commits (newest first), or a
-   * typed id, id prefix or thread name.
+   * Start a new kernel from a commit: into this notebook (`resume here`: when
+   * it has no kernel, or replacing a kernel Infinijup does not manage) or
+   * into a copy of the notebook (`newNotebook`). A notebook whose kernel is
+   * managed restores in place instead.
+   */
+  async resume(
+    panel: NotebookPanel | null,
+    ref?: string,
+    options: { newNotebook?: boolean } = {}
+  ): Promise<IRestoreResult | IResumeResult | null> {
+    if (!panel) {
+      Notification.warning('Open a notebook to resume one of its snapshots.', {
+        autoClose: 5000
+      });
+      return null;
+    }
+    const newNotebook = !!options.newNotebook;
+    const kernel = this.kernelOf(panel);
+    if (!newNotebook && this.isManaged(panel)) {
+      return this.restore(panel, ref);
+    }
+    if (!this.canResume(panel)) {
+      Notification.warning(
+        `An operation is already running on ${name(panel)}.`,
+        { autoClose: 5000 }
+      );
+      return null;
+    }
+    const history = await this._loadHistory(panel);
+    if (!ref) {
+      ref =
+        (await this.pickCommit(
+          panel,
+          newNotebook ? 'Open Snapshot in a New Notebook' : 'Resume Snapshot',
+          history
+        )) ?? undefined;
+      if (!ref) {
+        return null;
+      }
+    }
+    const commit = this._check(panel, ref, history);
+    if (commit === null) {
+      return null;
+    }
+    const label = describe(commit, ref);
+    if (commit?.resumable === false) {
+      Notification.error(
+        `${label} cannot be resumed here: ${commit.resumable_reason || 'the server says no'}`,
+        { autoClose: false }
+      );
+      return null;
+    }
+    if (!newNotebook && kernel) {
+      // A kernel Infinijup does not manage: it is shut down and replaced.
+      const result = await showDialog({
+        title: `Replace the kernel with ${label}?`,
+        body:
+          `The kernel of ${name(panel)} (${panel.sessionContext.kernelDisplayName}) ` +
+          `will be shut down and replaced by a new ${KERNEL_DISPLAY_NAME} kernel ` +
+          `resumed from ${label}. What the kernel holds now is lost.`,
+        buttons: [
+          Dialog.cancelButton(),
+          Dialog.warnButton({ label: 'Replace' })
+        ]
+      });
+      if (!result.button.accept) {
+        return null;
+      }
+    }
+    const path = sessionPath(panel);
+    const busyKey = pathKey(panel);
+    const handle = this._progress.begin(
+      'resume',
+      '',
+      newNotebook
+        ? `New notebook from ${name(panel)}`
+        : `Resume of ${name(panel)}`,
+      path
+    );
+    this._setBusy(busyKey, true);
+    try {
+      const result = await this._api.resume({
+        path,
+        commit: commit?.id ?? ref,
+        new_notebook: newNotebook || undefined
+      });
+      const short = shortId(result.commit);
+      if (newNotebook) {
+        await this._openNotebook?.(result.path, result.kernel_id);
+        handle.succeed(
+          `Opened ${short} in ${PathExt.basename(result.path)}: a new kernel ` +
+            `resumed in ${formatSeconds(result.duration_s)}`
+        );
+      } else {
+        if (this.kernelOf(panel)?.id !== result.kernel_id) {
+          await panel.sessionContext.changeKernel({ id: result.kernel_id });
+        }
+        const next = await this._nextAfter(result.kernel_id, result.thread);
+        handle.succeed(
+          `Resumed ${short} in a new kernel in ${formatSeconds(result.duration_s)}` +
+            (next ? ` · ${describeNext(next)}` : '')
+        );
+        this._refreshIfShown(panel);
+      }
+      return result;
+    } catch (error) {
+      handle.fail(error);
+      return null;
+    } finally {
+      this._setBusy(busyKey, false);
+    }
+  }
+
+  /**
+   * Ask for a commit: the notebook's commits (newest first, HEAD
+   * preselected), or a typed id, id prefix or thread name.
    */
   async pickCommit(
     panel: NotebookPanel,
-    title: string
+    title: string,
+    history?: IHistory | null
   ): Promise<string | null> {
-    let history: IHistory | null = null;
-    if (this.model.target?.path === sessionPath(panel) && this.model.history) {
-      history = this.model.history;
-    } else {
-      const kernel = this.kernelOf(panel);
-      try {
-        history = await this._api.history(
-          kernel ? { kernel_id: kernel.id } : { path: panel.context.path }
-        );
-      } catch {
-        history = null; // the dialog still accepts a typed id
-      }
+    if (history === undefined) {
+      history = await this._loadHistory(panel);
     }
-    const commits = history?.commits ?? [];
-    const labels = commits.slice(0, 500).map(commitLabel);
-    const result = await InputDialog.getItem({
+    const result = await showDialog({
       title,
-      label: 'Commit id, id prefix (8+ hex digits) or thread name',
-      items: labels,
-      editable: true,
-      placeholder: commits.length
-        ? shortId(commits[0].id)
-        : 'e.g. main or 1a2b3c4d',
-      okLabel: 'Next'
+      body: new CommitPicker({
+        commits: history?.commits ?? [],
+        head: history?.head?.commit ?? null
+      }),
+      buttons: [Dialog.cancelButton(), Dialog.okButton({ label: 'Next' })],
+      focusNodeSelector: '.jp-Infinijup-picker-list'
     });
     if (!result.button.accept || !result.value) {
       return null;
     }
-    const index = labels.indexOf(result.value);
-    if (index >= 0) {
-      return commits[index].id;
-    }
-    const typed = result.value.trim().split(/\s+/)[0];
-    return typed || null;
+    return result.value;
   }
 
   /** Copy a commit id to the clipboard. */
@@ -360,21 +522,46 @@ export class InfinijupActions {
     });
   }
 
-  private _requireKernel(
+  /**
+   * The notebook's managed kernel, or null after saying why not (no
+   * notebook, no kernel, a kernel Infinijup does not manage, busy).
+   */
+  private _requireManaged(
     panel: NotebookPanel | null,
     what: string
   ): Kernel.IKernelConnection | null {
     const kernel = this.kernelOf(panel);
-    if (!panel || !kernel) {
+    if (!panel) {
+      Notification.warning(`Open a notebook to ${what}.`, { autoClose: 5000 });
+      return null;
+    }
+    const changeKernel = this._changeKernel
+      ? [
+          {
+            label: 'Change Kernel…',
+            caption: `Choose ${KERNEL_DISPLAY_NAME}`,
+            callback: () => this._changeKernel?.(panel)
+          }
+        ]
+      : [];
+    if (!kernel) {
       Notification.warning(
-        `Open a notebook with a running kernel to ${what}.`,
-        {
-          autoClose: 5000
-        }
+        `${name(panel)} has no kernel running. To ${what}, start ` +
+          `${KERNEL_DISPLAY_NAME} (Kernel › Change Kernel…).`,
+        { autoClose: 8000, actions: changeKernel }
       );
       return null;
     }
-    if (this.isBusy(kernel.id)) {
+    if (!this.managed.isManaged(kernel)) {
+      Notification.warning(
+        `Cannot ${what}: the kernel of ${name(panel)} ` +
+          `(${panel.sessionContext.kernelDisplayName}) is not managed by Infinijup. ` +
+          `Switch to ${KERNEL_DISPLAY_NAME} with Kernel › Change Kernel….`,
+        { autoClose: 8000, actions: changeKernel }
+      );
+      return null;
+    }
+    if (this.isBusy(kernel.id) || this.isBusy(pathKey(panel))) {
       Notification.warning(
         `An operation is already running on the kernel of ${name(panel)}.`,
         { autoClose: 5000 }
@@ -384,23 +571,104 @@ export class InfinijupActions {
     return kernel;
   }
 
-  private _threadsOf(panel: NotebookPanel): { [name: string]: string } | null {
-    return this.model.target?.path === sessionPath(panel) && this.model.history
-      ? this.model.history.threads
-      : null;
+  /** The notebook's history: the panel's when it shows it, else loaded. */
+  private async _loadHistory(panel: NotebookPanel): Promise<IHistory | null> {
+    const kernel = this.kernelOf(panel);
+    const target = this.model.target;
+    if (
+      target?.path === sessionPath(panel) &&
+      (target.kernelId ?? null) === (kernel?.id ?? null) &&
+      this.model.history
+    ) {
+      return this.model.history;
+    }
+    try {
+      return await this._api.history(
+        kernel ? { kernel_id: kernel.id } : { path: sessionPath(panel) }
+      );
+    } catch {
+      return null; // the server checks the ref then
+    }
   }
 
-  private _describeRef(panel: NotebookPanel, ref: string): string {
-    const commit: ICommit | undefined =
-      this.model.target?.path === sessionPath(panel)
-        ? this.model.getCommit(ref)
-        : undefined;
-    if (commit) {
-      return `snapshot ${shortId(commit.id)}${commit.message ? ` “${truncate(commit.message, 40)}”` : ''}`;
+  /**
+   * Resolve a ref against the history. Returns the commit; undefined when
+   * the history could not be loaded (the server will check); null after
+   * telling the user that the ref names no commit.
+   */
+  private _check(
+    panel: NotebookPanel,
+    ref: string,
+    history: IHistory | null
+  ): ICommit | undefined | null {
+    if (!history) {
+      return undefined;
     }
-    return /^[0-9a-f]{8,}$/i.test(ref)
-      ? `snapshot ${shortId(ref)}`
-      : `“${ref}”`;
+    const found = resolveRef(history.commits, history.threads, ref);
+    if (found === 'missing') {
+      Notification.error(
+        `No snapshot “${ref}” in the history of ${name(panel)}: give a commit ` +
+          'id, an id prefix (8+ hex digits) or a thread name.',
+        { autoClose: 8000 }
+      );
+      return null;
+    }
+    if (found === 'ambiguous') {
+      Notification.error(
+        `“${ref}” matches several snapshots of ${name(panel)}: type more digits.`,
+        { autoClose: 8000 }
+      );
+      return null;
+    }
+    return found;
+  }
+
+  /** A new thread at HEAD: the kernel keeps running untouched. */
+  private async _branchAtHead(
+    panel: NotebookPanel,
+    kernel: Kernel.IKernelConnection,
+    commit: ICommit,
+    thread: string
+  ): Promise<IBranchResult | null> {
+    this._setBusy(kernel.id, true);
+    try {
+      const result = await this._api.branch({
+        kernel_id: kernel.id,
+        name: thread
+      });
+      Notification.success(
+        `New thread ${result.thread} at ${shortId(commit.id)} (HEAD): the kernel ` +
+          `was not touched; the next snapshot goes to ${result.thread}.`,
+        { autoClose: 5000 }
+      );
+      this._refreshIfShown(panel);
+      return result;
+    } catch (error) {
+      const err = asRequestError(error);
+      Notification.error(
+        `Branch of ${name(panel)} failed: ${err.message} (${err.reason})`,
+        { autoClose: false }
+      );
+      return null;
+    } finally {
+      this._setBusy(kernel.id, false);
+    }
+  }
+
+  /** Where the kernel's next snapshot goes now, as the server says. */
+  private async _nextAfter(
+    kernelId: string,
+    thread: string | null
+  ): Promise<INextSnapshot | null> {
+    try {
+      const history = await this._api.history({ kernel_id: kernelId });
+      const headThread = history.commits.find(
+        c => c.id === history.head?.commit
+      )?.thread;
+      return nextSnapshot(history.head, history.threads, headThread);
+    } catch {
+      return thread ? { thread, isNew: false, parent: null } : null;
+    }
   }
 
   private _refreshIfShown(panel: NotebookPanel): void {
@@ -409,13 +677,13 @@ export class InfinijupActions {
     }
   }
 
-  private _setBusy(kernelId: string, busy: boolean): void {
+  private _setBusy(key: string, busy: boolean): void {
     if (busy) {
-      this._busy.add(kernelId);
+      this._busy.add(key);
     } else {
-      this._busy.delete(kernelId);
+      this._busy.delete(key);
     }
-    this._busyChanged.emit(kernelId);
+    this._busyChanged.emit(key);
   }
 
   private _api: IInfinijupAPI;
@@ -426,6 +694,8 @@ export class InfinijupActions {
     key: keyof IInfinijupSettings,
     value: any
   ) => Promise<void>;
+  private _openNotebook?: (path: string, kernelId: string) => Promise<void>;
+  private _changeKernel?: (panel: NotebookPanel) => void;
   private _busy = new Set<string>();
   private _remoteBusy = new Set<string>();
   private _busyChanged = new Signal<this, string>(this);
@@ -440,17 +710,35 @@ export namespace InfinijupActions {
     model: HistoryModel;
     settings: () => IInfinijupSettings;
     setSetting?: (key: keyof IInfinijupSettings, value: any) => Promise<void>;
+    /** Open a notebook connected to a running kernel. */
+    openNotebook?: (path: string, kernelId: string) => Promise<void>;
+    /** Let the user choose the notebook's kernel. */
+    changeKernel?: (panel: NotebookPanel) => void;
   }
 }
 
-/** "1a2b3c4d · main · message · 5 min ago" */
+/** "next snapshot on main" / "next snapshot starts new thread main-1". */
+export function describeNext(next: INextSnapshot): string {
+  return next.isNew
+    ? `next snapshot starts new thread ${next.thread}`
+    : `next snapshot on ${next.thread}`;
+}
+
+/** "1a2b3c4d · main · [3] df = load() · 5 min ago" */
 export function commitLabel(commit: ICommit): string {
   return [
     shortId(commit.id),
     commit.thread,
-    truncate(commit.message || '(no message)', 60),
+    truncate(commitTitle(commit), 60),
     formatAge(commit.created)
   ].join(' · ');
+}
+
+function describe(commit: ICommit | undefined, ref: string): string {
+  if (commit) {
+    return `snapshot ${shortId(commit.id)} “${truncate(commitTitle(commit), 40)}”`;
+  }
+  return /^[0-9a-f]{8,}$/i.test(ref) ? `snapshot ${shortId(ref)}` : `“${ref}”`;
 }
 
 function truncate(text: string, n: number): string {
@@ -460,6 +748,11 @@ function truncate(text: string, n: number): string {
 /** The path the server knows the notebook's session by. */
 export function sessionPath(panel: NotebookPanel): string {
   return panel.sessionContext.session?.path ?? panel.context.path;
+}
+
+/** The busy key of a notebook without a kernel (a resume in progress). */
+function pathKey(panel: NotebookPanel | null): string {
+  return panel ? `path:${sessionPath(panel)}` : '';
 }
 
 function name(panel: NotebookPanel): string {

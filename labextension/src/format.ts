@@ -1,5 +1,6 @@
 /** Small formatting helpers (pure). */
 
+import { cellLabel, changedVariables, commitTitle } from './commits';
 import type { ICommit } from './types';
 
 /** The first 8 hex digits of a commit id. */
@@ -66,6 +67,38 @@ export function formatAge(created: number, now: number = Date.now()): string {
   return new Date(created * 1000).toLocaleDateString();
 }
 
+/**
+ * The age for narrow rows: "now", "5m", "3h", "2d", or the short date.
+ *
+ * @param created - seconds since the epoch.
+ * @param now - milliseconds since the epoch (defaults to Date.now()).
+ */
+export function formatAgeShort(
+  created: number,
+  now: number = Date.now()
+): string {
+  if (!created) {
+    return '';
+  }
+  const s = Math.round(now / 1000 - created);
+  if (s < 45) {
+    return 'now';
+  }
+  if (s < 3600) {
+    return `${Math.max(1, Math.round(s / 60))}m`;
+  }
+  if (s < 86400) {
+    return `${Math.round(s / 3600)}h`;
+  }
+  if (s < 86400 * 14) {
+    return `${Math.round(s / 86400)}d`;
+  }
+  return new Date(created * 1000).toLocaleDateString(undefined, {
+    month: 'short',
+    day: 'numeric'
+  });
+}
+
 /** The absolute local time of a commit. */
 export function formatDate(created: number): string {
   return created ? new Date(created * 1000).toLocaleString() : '';
@@ -79,14 +112,25 @@ export function hasGpu(commit: ICommit): boolean {
 
 /** A multi-line summary of a commit, for tooltips. */
 export function commitTooltip(commit: ICommit): string {
-  const lines = [
-    commit.message || '(no message)',
+  const lines = [commitTitle(commit)];
+  const cell = cellLabel(commit);
+  if (commit.message && cell) {
+    lines.push(`cell ${cell}`);
+  }
+  const changed = changedVariables(commit);
+  if (changed && changed.length) {
+    const names = changed.slice(0, 8).map(v => v.name);
+    lines.push(
+      `changed: ${names.join(', ')}${changed.length > names.length ? ` and ${changed.length - names.length} more` : ''}`
+    );
+  }
+  lines.push(
     `${commit.id}`,
     `thread ${commit.thread} · ${formatDate(commit.created)}`,
     `image ${formatBytes(commit.stats.image_bytes)} · stored ${formatBytes(
       commit.stats.stored_bytes
     )} · paused ${formatSeconds(commit.stats.pause_s)}`
-  ];
+  );
   if (hasGpu(commit)) {
     lines.push(`GPU state ${formatBytes(commit.stats.gpu_bytes ?? 0)}`);
   }

@@ -9,9 +9,11 @@ import { Message } from '@lumino/messaging';
 import { ISignal, Signal } from '@lumino/signaling';
 import { Widget } from '@lumino/widgets';
 
+import { cellLabel, commitTitle } from './commits';
 import {
   commitTooltip,
   formatAge,
+  formatAgeShort,
   formatBytes,
   formatDate,
   hasGpu,
@@ -264,6 +266,14 @@ export class GraphView extends Widget {
       if (c.id === head) {
         el.classList.add('jp-mod-head');
       }
+      if (!model.isMatch(c.id)) {
+        el.classList.add('jp-mod-dimmed');
+      } else if (model.matches) {
+        el.classList.add('jp-mod-match');
+      }
+      if (c.id === model.compareWith) {
+        el.classList.add('jp-mod-compare');
+      }
       const gpu = hasGpu(c);
       if (gpu) {
         el.classList.add('jp-mod-gpu');
@@ -278,9 +288,15 @@ export class GraphView extends Widget {
         );
       }
       if (c.id === head) {
+        const next = model.nextSnapshot;
+        const where = next
+          ? next.isNew
+            ? `starts the new thread ${next.thread}`
+            : `goes to thread ${next.thread}`
+          : 'goes after it';
         chips.push(
-          `<span class="jp-Infinijup-chip jp-Infinijup-chip-head" title="The kernel is at this commit; the next snapshot goes to thread ${esc(
-            model.head?.thread ?? ''
+          `<span class="jp-Infinijup-chip jp-Infinijup-chip-head" title="The kernel is at this commit; the next snapshot ${esc(
+            where
           )}">HEAD</span>`
         );
       }
@@ -291,21 +307,27 @@ export class GraphView extends Widget {
           )})">GPU</span>`
         );
       }
+      const kind = c.message
+        ? ''
+        : cellLabel(c)
+          ? ' jp-mod-derived'
+          : ' jp-mod-empty';
       text =
-        `<div class="jp-Infinijup-row-message${c.message ? '' : ' jp-mod-empty'}">${esc(
-          c.message || '(no message)'
-        )}</div>` +
+        `<div class="jp-Infinijup-row-message${kind}">${esc(commitTitle(c))}</div>` +
         `<div class="jp-Infinijup-row-meta"><code class="jp-Infinijup-id">${shortId(
           c.id
         )}</code>${chips.join('')}<span class="jp-Infinijup-age" title="${esc(
-          formatDate(c.created)
-        )}">${formatAge(c.created)}</span><span class="jp-Infinijup-size" title="Stored ${formatBytes(
+          `${formatDate(c.created)} (${formatAge(c.created)})`
+        )}">${esc(formatAgeShort(c.created))}</span><span class="jp-Infinijup-size" title="Stored ${formatBytes(
           c.stats.stored_bytes
         )} (image ${formatBytes(c.stats.image_bytes)})">${formatBytes(
           c.stats.stored_bytes
         )}</span></div>`;
     } else {
       el.classList.add('jp-mod-collapsed');
+      if (model.matches) {
+        el.classList.add('jp-mod-dimmed');
+      }
       const newest = node.commits[0];
       const oldest = node.commits[node.commits.length - 1];
       const stored = node.commits.reduce((s, c) => s + c.stats.stored_bytes, 0);
@@ -321,8 +343,10 @@ export class GraphView extends Widget {
           gpu
             ? `<span class="jp-Infinijup-chip jp-Infinijup-chip-gpu">${gpu} GPU</span>`
             : ''
-        }<span class="jp-Infinijup-age">${formatAge(oldest.created)} – ${formatAge(
-          newest.created
+        }<span class="jp-Infinijup-age" title="${esc(
+          `${formatAge(oldest.created)} – ${formatAge(newest.created)}`
+        )}">${esc(formatAgeShort(oldest.created))}–${esc(
+          formatAgeShort(newest.created)
         )}</span><span class="jp-Infinijup-size">${formatBytes(stored)}</span></div>`;
     }
     if (model.selected === node.id) {
@@ -337,8 +361,11 @@ export class GraphView extends Widget {
 
   private _updateSelection(): void {
     const selected = this.model.selected;
+    const compare = this.model.compareWith;
+    this.node.classList.toggle('jp-mod-picking', this.model.picking);
     for (const el of this._rows.values()) {
       const on = el.dataset.nodeId === selected;
+      el.classList.toggle('jp-mod-compare', el.dataset.nodeId === compare);
       el.classList.toggle('jp-mod-selected', on);
       if (on) {
         el.setAttribute('aria-selected', 'true');
@@ -376,9 +403,19 @@ export class GraphView extends Widget {
 
   private _onClick(event: MouseEvent): void {
     const el = this._rowElement(event.target);
-    if (el) {
-      this._activate(el);
+    if (!el) {
+      return;
     }
+    // Ctrl/Cmd-click: compare with the selected commit.
+    if (
+      (event.ctrlKey || event.metaKey) &&
+      el.dataset.commitId &&
+      this.model.getCommit(this.model.selected)
+    ) {
+      this.model.setCompare(el.dataset.commitId);
+      return;
+    }
+    this._activate(el);
   }
 
   private _onContextMenu(event: MouseEvent): void {
@@ -391,6 +428,11 @@ export class GraphView extends Widget {
   }
 
   private _onKeyDown(event: KeyboardEvent): void {
+    if (event.key === 'Escape' && this.model.picking) {
+      this.model.picking = false;
+      event.preventDefault();
+      return;
+    }
     const rows = this.model.layout.rows;
     if (rows.length === 0) {
       return;

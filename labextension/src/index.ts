@@ -31,7 +31,7 @@ import { shortId } from './format';
 import { branchIcon, historyIcon, restoreIcon, snapshotIcon } from './icons';
 import { ManagedKernels } from './kernels';
 import { HistoryModel } from './model';
-import { HistoryPanel } from './panel';
+import { CHANGE_KERNEL_COMMAND, HistoryPanel } from './panel';
 import { INotifier, INotifyOptions, ProgressTracker } from './progress';
 import { InfinijupClient } from './request';
 import { parseOperationEvent } from './types';
@@ -130,6 +130,17 @@ const plugin: JupyterFrontEndPlugin<void> = {
       settings: () => settings,
       setSetting: async (key, value) => {
         await settingsObject?.set(key, value);
+      },
+      openNotebook: async (path, kernelId) => {
+        await commands.execute('docmanager:open', {
+          path,
+          factory: 'Notebook',
+          kernel: { id: kernelId }
+        });
+      },
+      changeKernel: notebook => {
+        shell.activateById(notebook.id);
+        void commands.execute(CHANGE_KERNEL_COMMAND);
       }
     });
 
@@ -186,11 +197,19 @@ const plugin: JupyterFrontEndPlugin<void> = {
       return undefined;
     };
 
+    // Enabled whenever there is a notebook that is not busy: on a kernel that
+    // cannot be snapshotted the command says why (a disabled command would
+    // ignore the shortcut silently).
+    const usable = (args: ReadonlyPartialJSONObject) => {
+      const notebook = actions.notebook(args.notebookId);
+      return !!notebook && actions.canResume(notebook);
+    };
+
     commands.addCommand(CommandIDs.snapshot, {
       label: 'Snapshot Kernel',
       caption: 'Save the whole state of the kernel (memory, GPU) as a commit',
       icon: args => (args.isPalette ? undefined : snapshotIcon),
-      isEnabled: args => actions.canOperate(actions.notebook(args.notebookId)),
+      isEnabled: usable,
       execute: async args => {
         const message =
           typeof args.message === 'string' ? args.message : undefined;
@@ -207,7 +226,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
       },
       caption: 'Replace the running kernel with a snapshot',
       icon: args => (args.isPalette ? undefined : restoreIcon),
-      isEnabled: args => actions.canOperate(actions.notebook(args.notebookId)),
+      isEnabled: usable,
       execute: args =>
         actions.restore(actions.notebook(args.notebookId), commitArg(args))
     });
@@ -217,13 +236,38 @@ const plugin: JupyterFrontEndPlugin<void> = {
         commitArg(args) ? 'Branch from Here…' : 'Branch from Kernel Snapshot…',
       caption: 'Restore a snapshot into a new thread',
       icon: args => (args.isPalette ? undefined : branchIcon),
-      isEnabled: args => actions.canOperate(actions.notebook(args.notebookId)),
+      isEnabled: usable,
       execute: args =>
         actions.branch(
           actions.notebook(args.notebookId),
           commitArg(args),
           typeof args.thread === 'string' ? args.thread : undefined
         )
+    });
+
+    commands.addCommand(CommandIDs.resume, {
+      label: args =>
+        commitArg(args) ? 'Resume Here' : 'Resume Kernel Snapshot…',
+      caption:
+        'Start a kernel for this notebook from a snapshot (when it has no Infinijup kernel)',
+      icon: args => (args.isPalette ? undefined : restoreIcon),
+      isEnabled: usable,
+      execute: args =>
+        actions.resume(actions.notebook(args.notebookId), commitArg(args))
+    });
+
+    commands.addCommand(CommandIDs.openInNewNotebook, {
+      label: args =>
+        commitArg(args)
+          ? 'Open in New Notebook'
+          : 'Open Kernel Snapshot in New Notebook…',
+      caption:
+        'Copy the notebook and resume a snapshot in its own new kernel, next to this one',
+      isEnabled: usable,
+      execute: args =>
+        actions.resume(actions.notebook(args.notebookId), commitArg(args), {
+          newNotebook: true
+        })
     });
 
     commands.addCommand(CommandIDs.copyId, {
@@ -256,10 +300,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
 
     commands.addCommand(CommandIDs.toggleCollapse, {
       label: args =>
-        args.isPalette
-          ? 'Collapse Long Runs in Kernel History'
-          : 'Collapse runs',
-      caption: 'Collapse long linear runs of commits in the history graph',
+        args.isPalette ? 'Fold Long Runs in Kernel History' : 'Fold runs',
+      caption: 'Fold long linear runs of commits in the history graph',
       isToggled: () => model.collapse,
       execute: () => {
         model.collapse = !model.collapse;
@@ -275,6 +317,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
         CommandIDs.snapshot,
         CommandIDs.restore,
         CommandIDs.branch,
+        CommandIDs.resume,
+        CommandIDs.openInNewNotebook,
         CommandIDs.showHistory,
         CommandIDs.refresh,
         CommandIDs.toggleCollapse

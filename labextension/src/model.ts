@@ -9,6 +9,7 @@
 import type { IDisposable } from '@lumino/disposable';
 import { ISignal, Signal } from '@lumino/signaling';
 
+import { INextSnapshot, matchesQuery, nextSnapshot } from './commits';
 import { IGraphLayout, layoutGraph } from './layout';
 import { asRequestError, InfinijupRequestError } from './errors';
 import type {
@@ -112,6 +113,78 @@ export class HistoryModel implements IDisposable {
     }
   }
 
+  /**
+   * Where the next snapshot of the target's kernel goes (null without a
+   * kernel: a resumed kernel's head is decided by the server).
+   */
+  get nextSnapshot(): INextSnapshot | null {
+    if (!this._history || !this._target?.kernelId) {
+      return null;
+    }
+    const head = this.head;
+    const commitThread = this.getCommit(head?.commit)?.thread;
+    return nextSnapshot(head, this.threads, commitThread);
+  }
+
+  /** The search query ('' when none). */
+  get query(): string {
+    return this._query;
+  }
+  set query(value: string) {
+    if (value !== this._query) {
+      this._query = value;
+      this._matches = null;
+      this._invalidateLayout();
+    }
+  }
+
+  /** Ids of the commits matching the query, newest first (null: no query). */
+  get matches(): readonly string[] | null {
+    if (!this._query.trim()) {
+      return null;
+    }
+    if (!this._matches) {
+      this._matches = this.commits
+        .filter(c => matchesQuery(c, this._query))
+        .map(c => c.id);
+      this._matchSet = new Set(this._matches);
+    }
+    return this._matches;
+  }
+
+  /** Whether a commit matches the query (true when there is none). */
+  isMatch(id: string): boolean {
+    return this.matches === null || this._matchSet!.has(id);
+  }
+
+  /** The commit compared with the selected one, or null. */
+  get compareWith(): string | null {
+    return this._compareWith;
+  }
+
+  /** Compare the selected commit with another one (null: stop comparing). */
+  setCompare(id: string | null): void {
+    if (id === this._selected) {
+      id = null;
+    }
+    if (id !== this._compareWith || this._picking) {
+      this._compareWith = id;
+      this._picking = false;
+      this._emit('selection');
+    }
+  }
+
+  /** True while the next row click picks the commit to compare with. */
+  get picking(): boolean {
+    return this._picking;
+  }
+  set picking(value: boolean) {
+    if (value !== this._picking) {
+      this._picking = value;
+      this._emit('selection');
+    }
+  }
+
   /** The layout of the graph (computed lazily, cached until a change). */
   get layout(): IGraphLayout<ICommit> {
     if (!this._layout) {
@@ -120,6 +193,8 @@ export class HistoryModel implements IDisposable {
       if (head) {
         pinned.push(head);
       }
+      // Search results are never folded away.
+      pinned.push(...(this.matches ?? []));
       this._layout = layoutGraph(this.commits, {
         collapse: this._collapse
           ? {
@@ -191,6 +266,8 @@ export class HistoryModel implements IDisposable {
       this._history = null;
       this._error = null;
       this._selected = null;
+      this._compareWith = null;
+      this._picking = false;
       this._expanded = new Set();
       this._invalidateCaches();
       this._state = target ? 'loading' : 'empty';
@@ -226,6 +303,9 @@ export class HistoryModel implements IDisposable {
       this._state = 'ready';
       if (this._selected && !this.getCommit(this._selected)) {
         this._selected = null;
+      }
+      if (this._compareWith && !this.getCommit(this._compareWith)) {
+        this._compareWith = null;
       }
       this._invalidateCaches();
     } catch (error) {
@@ -267,13 +347,20 @@ export class HistoryModel implements IDisposable {
         this._operation = null;
       }
       if (event.phase === 'done') {
-        if (event.op === 'restore' && event.commit && this._history) {
-          // Show the new head at once; the reload confirms it.
+        if (
+          event.op === 'restore' &&
+          event.commit &&
+          this._history &&
+          this._target?.kernelId === event.kernel_id
+        ) {
+          // Show the new head at once; the reload confirms it. An empty
+          // thread means the next snapshot starts a new one.
           this._history = {
             ...this._history,
             head: {
-              thread: event.thread ?? this._history.head?.thread ?? '',
-              commit: event.commit
+              thread: event.thread || null,
+              commit: event.commit,
+              next_thread: null
             }
           };
           this._invalidateCaches();
@@ -297,10 +384,19 @@ export class HistoryModel implements IDisposable {
     }, this._refreshDelay);
   }
 
-  /** Select a commit (or a collapsed node id) or nothing. */
+  /**
+   * Select a commit (or a collapsed node id) or nothing. While picking a
+   * commit to compare with, the commit becomes the compared one instead.
+   */
   select(id: string | null): void {
+    if (this._picking && id && this.getCommit(id)) {
+      this.setCompare(id);
+      return;
+    }
     if (id !== this._selected) {
       this._selected = id;
+      this._compareWith = null;
+      this._picking = false;
       this._emit('selection');
     }
   }
@@ -355,6 +451,7 @@ export class HistoryModel implements IDisposable {
     this._byId = null;
     this._tips = null;
     this._layout = null;
+    this._matches = null;
   }
 
   private _invalidateLayout(): void {
@@ -387,6 +484,11 @@ export class HistoryModel implements IDisposable {
   private _error: InfinijupRequestError | null = null;
   private _operation: IOperationEvent | null = null;
   private _selected: string | null = null;
+  private _compareWith: string | null = null;
+  private _picking = false;
+  private _query = '';
+  private _matches: string[] | null = null;
+  private _matchSet: Set<string> | null = null;
   private _expanded = new Set<string>();
   private _layout: IGraphLayout<ICommit> | null = null;
   private _byId: Map<string, ICommit> | null = null;

@@ -1,6 +1,10 @@
 /**
- * The "Kernel history" side panel: a toolbar, the state of the notebook's
- * kernel, the commit graph and the details of the selected commit.
+ * The "Kernel history" side panel: a toolbar, a search field, the state of
+ * the notebook's kernel (where the next snapshot goes), the selected commit's
+ * card (actions, changed variables, comparison) and the commit graph.
+ *
+ * The card sits above the graph, so notifications (bottom right) never cover
+ * its buttons.
  */
 
 import { PathExt } from '@jupyterlab/coreutils';
@@ -16,6 +20,13 @@ import { Panel, Widget } from '@lumino/widgets';
 import type { InfinijupActions } from './actions';
 import { CommandIDs } from './commandids';
 import {
+  cellLabel,
+  commitTitle,
+  compareCommits,
+  removedVariables,
+  variablesOf
+} from './commits';
+import {
   formatAge,
   formatBytes,
   formatDate,
@@ -26,7 +37,12 @@ import {
 import { esc, GraphView } from './graphview';
 import { historyIcon } from './icons';
 import type { HistoryModel } from './model';
-import { PHASE_LABELS } from './types';
+import { ICommit, IVariableInfo, PHASE_LABELS } from './types';
+
+/** JupyterLab's command that opens the kernel selector of a notebook. */
+export const CHANGE_KERNEL_COMMAND = 'notebook:change-kernel';
+
+const OP_NAMES = { snapshot: 'Snapshot', restore: 'Restore', resume: 'Resume' };
 
 export class HistoryPanel extends Panel {
   constructor(options: HistoryPanel.IOptions) {
@@ -57,14 +73,17 @@ export class HistoryPanel extends Panel {
       })
     );
     toolbar.addItem('spacer', Toolbar.createSpacerItem());
-    toolbar.addItem(
-      'collapse',
-      new CommandToolbarButton({
-        commands: this._commands,
-        id: CommandIDs.toggleCollapse,
-        label: 'Collapse'
-      })
-    );
+    this._fold = new Widget();
+    this._fold.addClass('jp-Infinijup-fold');
+    this._fold.node.innerHTML =
+      '<label title="Fold long runs of commits (one parent, one child) into one row"><input type="checkbox"> Fold runs</label>';
+    this._foldInput = this._fold.node.querySelector('input')!;
+    this._foldInput.addEventListener('change', () => {
+      if (this._foldInput.checked !== this.model.collapse) {
+        void this._commands.execute(CommandIDs.toggleCollapse);
+      }
+    });
+    toolbar.addItem('collapse', this._fold);
     toolbar.addItem(
       'refresh',
       new CommandToolbarButton({
@@ -76,21 +95,36 @@ export class HistoryPanel extends Panel {
     );
     this.addWidget(toolbar);
 
+    this._search = new Widget();
+    this._search.addClass('jp-Infinijup-search');
+    this._search.node.innerHTML =
+      '<input type="search" class="jp-mod-styled" placeholder="Search: message, cell, variable" aria-label="Search snapshots" spellcheck="false"><span class="jp-Infinijup-search-count" aria-live="polite"></span>';
+    this._searchInput = this._search.node.querySelector('input')!;
+    this._searchCount = this._search.node.querySelector(
+      '.jp-Infinijup-search-count'
+    )!;
+    this._searchInput.addEventListener('input', () => {
+      this.model.query = this._searchInput.value;
+    });
+    this._searchInput.addEventListener('keydown', this._onSearchKey);
+    this.addWidget(this._search);
+
     this._status = new Widget();
     this._status.addClass('jp-Infinijup-status');
+    this._status.node.addEventListener('click', this._onStatusClick);
     this.addWidget(this._status);
-
-    this.graph = new GraphView(this.model);
-    this.addWidget(this.graph);
 
     this._details = new Widget();
     this._details.addClass('jp-Infinijup-details');
     this._details.node.addEventListener('click', this._onDetailsClick);
     this.addWidget(this._details);
 
+    this.graph = new GraphView(this.model);
+    this.addWidget(this.graph);
+
     this.model.changed.connect(this._onModelChanged, this);
-    this._actions.managed.changed.connect(this._renderStatus, this);
-    this._actions.busyChanged.connect(this._renderStatus, this);
+    this._actions.managed.changed.connect(this._renderAll, this);
+    this._actions.busyChanged.connect(this._renderAll, this);
     this._renderAll();
   }
 
@@ -108,16 +142,12 @@ export class HistoryPanel extends Panel {
       return;
     }
     if (this._notebook) {
-      this._notebook.sessionContext.kernelChanged.disconnect(
-        this._updateTarget,
-        this
-      );
-      this._notebook.sessionContext.statusChanged.disconnect(
-        this._renderStatus,
-        this
-      );
-      this._notebook.context.pathChanged.disconnect(this._updateTarget, this);
-      this._notebook.disposed.disconnect(this._onNotebookDisposed, this);
+      const old = this._notebook;
+      old.sessionContext.kernelChanged.disconnect(this._updateTarget, this);
+      old.sessionContext.statusChanged.disconnect(this._renderStatus, this);
+      old.sessionContext.propertyChanged.disconnect(this._updateTarget, this);
+      old.context.pathChanged.disconnect(this._updateTarget, this);
+      old.disposed.disconnect(this._onNotebookDisposed, this);
     }
     this._notebook = panel;
     if (panel) {
@@ -136,6 +166,7 @@ export class HistoryPanel extends Panel {
     }
     this.setNotebook(null);
     this._details.node.removeEventListener('click', this._onDetailsClick);
+    this._status.node.removeEventListener('click', this._onStatusClick);
     super.dispose();
   }
 
@@ -166,6 +197,7 @@ export class HistoryPanel extends Panel {
   ): void {
     switch (kind) {
       case 'selection':
+        this._renderStatus();
         this._renderDetails();
         break;
       case 'operation':
@@ -184,8 +216,26 @@ export class HistoryPanel extends Panel {
       ? PathExt.basename(panel.context.path)
       : '';
     this._notebookLabel.title = panel ? panel.context.path : '';
+    this._foldInput.checked = this.model.collapse;
+    this._renderSearch();
     this._renderStatus();
     this._renderDetails();
+  }
+
+  private _renderSearch(): void {
+    if (this._searchInput.value !== this.model.query) {
+      this._searchInput.value = this.model.query;
+    }
+    const matches = this.model.matches;
+    this._searchCount.textContent = matches
+      ? matches.length
+        ? `${matches.length} of ${this.model.commits.length}`
+        : 'no match'
+      : '';
+    this._search.node.classList.toggle(
+      'lm-mod-hidden',
+      this.model.commits.length === 0 && !this.model.query
+    );
   }
 
   /** The notice / head / operation lines above the graph. */
@@ -194,7 +244,17 @@ export class HistoryPanel extends Panel {
     const panel = this._notebook;
     const parts: string[] = [];
     const kernel = panel?.sessionContext.session?.kernel ?? null;
+    const managed = !!kernel && this._actions.managed.isManaged(kernel);
+    const ready = model.state === 'ready';
+    const n = model.commits.length;
     this.node.dataset.state = model.state;
+    this.node.dataset.kernel = !panel
+      ? 'none'
+      : !kernel
+        ? 'none'
+        : managed
+          ? 'managed'
+          : 'unmanaged';
 
     if (!panel) {
       parts.push(
@@ -202,20 +262,30 @@ export class HistoryPanel extends Panel {
       );
     } else if (!kernel) {
       parts.push(
-        '<p class="jp-Infinijup-notice">This notebook has no kernel running. Start <b>Python 3 (Infinijup)</b> to take snapshots.</p>'
+        ready && n > 0
+          ? '<p class="jp-Infinijup-notice jp-Infinijup-nokernel">No kernel is running. Select a snapshot and press <b>Resume here</b> to start a kernel from it, or <b>Open in new notebook</b>.</p>'
+          : '<p class="jp-Infinijup-notice jp-Infinijup-nokernel">This notebook has no kernel running. Start <b>Python 3 (Infinijup)</b> to take snapshots.</p>'
       );
-    } else if (!this._actions.managed.isManaged(kernel)) {
+    } else if (!managed) {
+      const change = this._commands.hasCommand(CHANGE_KERNEL_COMMAND)
+        ? ' <button class="jp-Button jp-mod-styled jp-Infinijup-change-kernel">Change Kernel…</button>'
+        : '';
       parts.push(
-        '<p class="jp-Infinijup-notice">This kernel is not managed by Infinijup, so it cannot be snapshotted. Choose <b>Python 3 (Infinijup)</b> with Kernel › Change Kernel….</p>'
+        `<div class="jp-Infinijup-notice jp-Infinijup-unmanaged">This kernel (${esc(
+          panel.sessionContext.kernelDisplayName
+        )}) is not managed by Infinijup, so it cannot be snapshotted. To take snapshots, switch to <b>Python 3 (Infinijup)</b> with Kernel › Change Kernel….${change}` +
+          (ready && n > 0
+            ? ' Earlier snapshots of this notebook are below: <b>Resume here</b> replaces this kernel with one of them.'
+            : '') +
+          '</div>'
       );
     }
 
     const op = model.operation;
     if (op) {
-      const label = op.op === 'snapshot' ? 'Snapshot' : 'Restore';
       parts.push(
         `<div class="jp-Infinijup-operation" data-phase="${esc(op.phase)}">` +
-          `<span>${label}: ${esc(PHASE_LABELS[op.phase] ?? op.phase)}</span>` +
+          `<span>${OP_NAMES[op.op] ?? op.op}: ${esc(PHASE_LABELS[op.phase] ?? op.phase)}</span>` +
           `<progress max="100" value="${Math.round(op.percent)}"></progress></div>`
       );
     }
@@ -229,37 +299,71 @@ export class HistoryPanel extends Panel {
       );
     } else if (model.state === 'loading' && !model.history) {
       parts.push('<p class="jp-Infinijup-notice">Loading…</p>');
-    } else if (model.state === 'ready') {
-      const head = model.head;
-      const n = model.commits.length;
+    } else if (ready) {
       if (n === 0) {
-        parts.push(
-          '<p class="jp-Infinijup-notice jp-Infinijup-empty">No snapshots yet. Press <b>Snapshot</b> (Ctrl+Alt+S) or run <code>%snapshot</code> in a cell.</p>'
-        );
+        if (managed) {
+          parts.push(
+            '<p class="jp-Infinijup-notice jp-Infinijup-empty">No snapshots yet. Press <b>Snapshot</b> (Ctrl+Alt+S) or run <code>%snapshot</code> in a cell.</p>'
+          );
+        }
       } else {
         const threads = Object.keys(model.threads).length;
         const hidden = model.layout.hiddenCount;
         parts.push(
-          `<div class="jp-Infinijup-summary"><span class="jp-Infinijup-headline">` +
-            (head?.commit
-              ? `HEAD <code>${shortId(head.commit)}</code>`
-              : 'HEAD none') +
-            ` · next snapshot on <b>${esc(head?.thread || 'main')}</b></span>` +
+          '<div class="jp-Infinijup-summary">' +
+            (managed ? this._headline() : '') +
             `<span class="jp-Infinijup-counts">${n} commit${n === 1 ? '' : 's'} · ${threads} thread${
               threads === 1 ? '' : 's'
-            }${hidden ? ` · ${hidden} collapsed` : ''}</span></div>`
+            }${hidden ? ` · ${hidden} folded` : ''}</span></div>`
         );
       }
     }
-    this._status.node.innerHTML = parts.join('');
-    const retry = this._status.node.querySelector('.jp-Infinijup-retry');
-    if (retry) {
-      retry.addEventListener('click', () => void this.model.refresh());
+    if (model.picking) {
+      const base = model.getCommit(model.selected);
+      parts.push(
+        `<div class="jp-Infinijup-picking" role="status">Click the commit to compare with <code>${shortId(
+          base?.id
+        )}</code> · <button class="jp-Button jp-mod-styled jp-Infinijup-cancel-pick">Cancel</button></div>`
+      );
     }
+    this._status.node.innerHTML = parts.join('');
     this._commands.notifyCommandChanged();
   }
 
-  /** The details of the selected commit. */
+  /** "HEAD 1a2b3c4d · next snapshot on main" (or where else it goes). */
+  private _headline(): string {
+    const model = this.model;
+    const head = model.head;
+    const next = model.nextSnapshot;
+    const where = next
+      ? `${next.isNew ? 'next snapshot starts new thread' : 'next snapshot on'} <b>${esc(next.thread)}</b>`
+      : '';
+    let text: string;
+    if (head?.commit) {
+      text = `HEAD <code>${shortId(head.commit)}</code>`;
+      if (next?.isNew) {
+        text += ' (not a thread tip)';
+      }
+    } else {
+      text = 'Fresh kernel';
+    }
+    const title = next
+      ? next.isNew
+        ? `The next snapshot starts the new thread ${next.thread}${
+            next.parent ? ` from ${shortId(next.parent)}` : ''
+          }`
+        : `The next snapshot goes on thread ${next.thread}${
+            next.parent ? `, after ${shortId(next.parent)}` : ''
+          }`
+      : '';
+    return (
+      `<span class="jp-Infinijup-headline" title="${esc(title)}">${text}` +
+      (where ? ` · ${where}` : '') +
+      '</span>'
+    );
+  }
+
+  /** The card of the selected commit. */
   private _renderDetails(): void {
     const model = this.model;
     const commit = model.getCommit(model.selected);
@@ -270,7 +374,10 @@ export class HistoryPanel extends Panel {
       return;
     }
     node.classList.remove('lm-mod-hidden');
-    const isHead = model.head?.commit === commit.id;
+    const panel = this._notebook;
+    const kernel = panel?.sessionContext.session?.kernel ?? null;
+    const managed = !!kernel && this._actions.managed.isManaged(kernel);
+    const isHead = managed && model.head?.commit === commit.id;
     const tips = model.tips.get(commit.id) ?? [];
     const s = commit.stats;
     const row = (k: string, v: string) => `<tr><th>${k}</th><td>${v}</td></tr>`;
@@ -290,8 +397,91 @@ export class HistoryPanel extends Panel {
     } catch {
       metadata = String(commit.metadata);
     }
+    const cell = cellLabel(commit);
+    const notResumable = commit.resumable === false;
+    const reason = commit.resumable_reason || 'not resumable on this server';
+
+    const button = (
+      action: string,
+      label: string,
+      title: string,
+      cls = '',
+      enabled = true
+    ) =>
+      `<button class="jp-Button jp-mod-styled${cls}" data-action="${action}" title="${esc(
+        title
+      )}"${enabled ? '' : ' disabled'}>${label}</button>`;
+    const canOperate = this._actions.canOperate(panel);
+    const canResume = this._actions.canResume(panel) && !notResumable;
+    const buttons: string[] = [];
+    if (managed) {
+      buttons.push(
+        button(
+          'restore',
+          'Restore',
+          'Replace the running kernel with this snapshot',
+          ' jp-mod-accept',
+          canOperate
+        ),
+        button(
+          'branch',
+          'Branch from here',
+          isHead
+            ? 'Start a new thread here; the kernel is not touched'
+            : 'Restore this snapshot into a new thread',
+          '',
+          canOperate
+        )
+      );
+    } else {
+      buttons.push(
+        button(
+          'resume',
+          'Resume here',
+          notResumable
+            ? reason
+            : kernel
+              ? `Replace this kernel (${panel?.sessionContext.kernelDisplayName ?? ''}) with a new kernel resumed from this snapshot`
+              : 'Start a kernel for this notebook from this snapshot',
+          ' jp-mod-accept',
+          canResume
+        )
+      );
+    }
+    buttons.push(
+      button(
+        'open-new',
+        'Open in new notebook',
+        notResumable
+          ? reason
+          : 'Copy this notebook and resume this snapshot in its own kernel next to this one',
+        '',
+        canResume
+      ),
+      button(
+        'compare',
+        model.picking ? 'Comparing…' : 'Compare…',
+        'Compare the variables of this snapshot with another one (or Ctrl+click a row)',
+        model.picking ? ' jp-mod-active' : ''
+      ),
+      button('copy', 'Copy id', 'Copy the full commit id')
+    );
+
     node.innerHTML =
-      `<div class="jp-Infinijup-details-title">${esc(commit.message || '(no message)')}</div>` +
+      '<div class="jp-Infinijup-details-head">' +
+      `<div class="jp-Infinijup-details-title${commit.message || cell ? '' : ' jp-mod-empty'}">${esc(
+        commitTitle(commit)
+      )}</div>` +
+      '<button class="jp-Infinijup-close" data-action="close" title="Close (deselect)" aria-label="Close">×</button></div>' +
+      (commit.message && cell
+        ? `<div class="jp-Infinijup-cell" title="The last cell run before this snapshot"><code>${esc(cell)}</code></div>`
+        : '') +
+      (notResumable
+        ? `<div class="jp-Infinijup-warning" role="note">Cannot be resumed here: ${esc(reason)}</div>`
+        : '') +
+      `<div class="jp-Infinijup-actions">${buttons.join('')}</div>` +
+      this._compareSection(commit) +
+      this._variablesSection(commit) +
       '<table class="jp-Infinijup-details-table"><tbody>' +
       row('Id', `<code class="jp-Infinijup-fullid">${esc(commit.id)}</code>`) +
       row(
@@ -316,19 +506,133 @@ export class HistoryPanel extends Panel {
       '</tbody></table>' +
       `<details class="jp-Infinijup-metadata"><summary>Metadata</summary><pre>${esc(
         metadata
-      )}</pre></details>` +
-      '<div class="jp-Infinijup-actions">' +
-      `<button class="jp-Button jp-mod-styled jp-mod-accept" data-action="restore" title="Replace the running kernel with this snapshot">Restore</button>` +
-      `<button class="jp-Button jp-mod-styled" data-action="branch" title="Restore this snapshot into a new thread">Branch from here</button>` +
-      `<button class="jp-Button jp-mod-styled" data-action="copy" title="Copy the full commit id">Copy id</button>` +
-      '</div>';
-    const enabled = this._actions.canOperate(this._notebook);
-    node
-      .querySelectorAll<HTMLButtonElement>(
-        '[data-action="restore"],[data-action="branch"]'
-      )
-      .forEach(b => (b.disabled = !enabled));
+      )}</pre></details>`;
   }
+
+  /** The variables the commit changed (and, folded, all of them). */
+  private _variablesSection(commit: ICommit): string {
+    const vars = variablesOf(commit);
+    if (!vars) {
+      return '<div class="jp-Infinijup-vars jp-mod-missing">Variables: not recorded for this snapshot (taken before Infinijup recorded them).</div>';
+    }
+    const parent = this.model.getCommit(commit.parents[0]);
+    const changed = vars.items.filter(v => v.changed);
+    const removed = removedVariables(commit, parent);
+    const total = `${vars.items.length}${vars.truncated ? '+' : ''}`;
+    const what = commit.parents.length ? 'since its parent' : 'new';
+    let html =
+      `<div class="jp-Infinijup-vars"><div class="jp-Infinijup-section">Changed variables <span class="jp-Infinijup-dim">(${changed.length} of ${total}, ${what})</span></div>` +
+      (changed.length
+        ? variableTable(changed)
+        : '<div class="jp-Infinijup-dim">No variable changed.</div>');
+    if (removed.length) {
+      html += `<div class="jp-Infinijup-removed">Deleted: ${removed
+        .map(name => `<code>${esc(name)}</code>`)
+        .join(', ')}</div>`;
+    }
+    if (vars.items.length > changed.length) {
+      html += `<details class="jp-Infinijup-allvars"><summary>All ${total} variables</summary>${variableTable(
+        vars.items
+      )}</details>`;
+    }
+    if (vars.truncated) {
+      html +=
+        '<div class="jp-Infinijup-dim">The kernel listed only part of its variables.</div>';
+    }
+    return html + '</div>';
+  }
+
+  /** Which variables differ from the compared commit. */
+  private _compareSection(commit: ICommit): string {
+    const other = this.model.getCommit(this.model.compareWith);
+    if (!other) {
+      return '';
+    }
+    const a = shortId(commit.id);
+    const b = shortId(other.id);
+    const cmp = compareCommits(commit, other);
+    let html =
+      '<div class="jp-Infinijup-compare"><div class="jp-Infinijup-section">' +
+      `Compared with <code>${b}</code> <span class="jp-Infinijup-dim">${esc(
+        truncate(commitTitle(other), 40)
+      )}</span>` +
+      '<button class="jp-Infinijup-link" data-action="stop-compare">Stop</button></div>';
+    if (!cmp.available) {
+      html +=
+        '<div class="jp-Infinijup-dim">Variables were not recorded for one of the two snapshots.</div>';
+    } else if (cmp.diffs.length === 0) {
+      html += `<div>No variable differs (${cmp.same.length} identical).</div>`;
+    } else {
+      html += '<ul class="jp-Infinijup-diffs">';
+      for (const d of cmp.diffs) {
+        const name = `<code class="jp-Infinijup-varname">${esc(d.name)}</code>`;
+        if (d.kind === 'changed') {
+          html += `<li data-kind="changed">${name} differs: ${describeVar(
+            d.a!
+          )} → ${describeVar(d.b!)}</li>`;
+        } else if (d.kind === 'only-a') {
+          html += `<li data-kind="only-a">${name} only in <code>${a}</code> (${describeVar(
+            d.a!
+          )})</li>`;
+        } else {
+          html += `<li data-kind="only-b">${name} only in <code>${b}</code> (${describeVar(
+            d.b!
+          )})</li>`;
+        }
+      }
+      html += `</ul><div class="jp-Infinijup-dim">${cmp.diffs.length} differ${
+        cmp.diffs.length === 1 ? 's' : ''
+      }, ${cmp.same.length} identical.</div>`;
+    }
+    if (cmp.partial) {
+      html +=
+        '<div class="jp-Infinijup-dim">Only the listed variables were compared (a list was truncated).</div>';
+    }
+    return html + '</div>';
+  }
+
+  private _onSearchKey = (event: KeyboardEvent) => {
+    if (event.key === 'Escape') {
+      this._searchInput.value = '';
+      this.model.query = '';
+      return;
+    }
+    if (event.key !== 'Enter') {
+      return;
+    }
+    event.preventDefault();
+    const matches = this.model.matches;
+    if (!matches || matches.length === 0) {
+      return;
+    }
+    // The next match after the selection (in graph order), wrapping.
+    const layout = this.model.layout;
+    const order = [...matches].sort(
+      (x, y) => (layout.rowOf.get(x) ?? 0) - (layout.rowOf.get(y) ?? 0)
+    );
+    const current = this.model.selected
+      ? (layout.rowOf.get(this.model.selected) ?? -1)
+      : -1;
+    const next =
+      order.find(id => (layout.rowOf.get(id) ?? -1) > current) ?? order[0];
+    const row = this.model.reveal(next);
+    this.model.select(next);
+    if (row !== undefined) {
+      this.graph.scrollToRow(row);
+    }
+  };
+
+  private _onStatusClick = (event: MouseEvent) => {
+    const target = event.target as HTMLElement;
+    if (target.closest('.jp-Infinijup-retry')) {
+      void this.model.refresh();
+    } else if (target.closest('.jp-Infinijup-change-kernel')) {
+      this._notebook?.activate();
+      void this._commands.execute(CHANGE_KERNEL_COMMAND);
+    } else if (target.closest('.jp-Infinijup-cancel-pick')) {
+      this.model.picking = false;
+    }
+  };
 
   private _onDetailsClick = (event: MouseEvent) => {
     const target = event.target as HTMLElement;
@@ -349,8 +653,29 @@ export class HistoryPanel extends Panel {
             notebookId
           });
           break;
+        case 'resume':
+          void this._commands.execute(CommandIDs.resume, {
+            commit,
+            notebookId
+          });
+          break;
+        case 'open-new':
+          void this._commands.execute(CommandIDs.openInNewNotebook, {
+            commit,
+            notebookId
+          });
+          break;
+        case 'compare':
+          this.model.picking = !this.model.picking;
+          break;
+        case 'stop-compare':
+          this.model.setCompare(null);
+          break;
         case 'copy':
           void this._commands.execute(CommandIDs.copyId, { commit });
+          break;
+        case 'close':
+          this.model.select(null);
           break;
       }
       return;
@@ -371,6 +696,11 @@ export class HistoryPanel extends Panel {
   private _commands: CommandRegistry;
   private _notebook: NotebookPanel | null = null;
   private _notebookLabel: HTMLElement;
+  private _fold: Widget;
+  private _foldInput: HTMLInputElement;
+  private _search: Widget;
+  private _searchInput: HTMLInputElement;
+  private _searchCount: HTMLElement;
   private _status: Widget;
   private _details: Widget;
 }
@@ -381,4 +711,32 @@ export namespace HistoryPanel {
     actions: InfinijupActions;
     commands: CommandRegistry;
   }
+}
+
+/** "DataFrame (1000, 3) · 24 KiB" */
+function describeVar(v: IVariableInfo): string {
+  return esc([v.type, v.shape, formatBytes(v.size)].filter(Boolean).join(' '));
+}
+
+function variableTable(items: readonly IVariableInfo[]): string {
+  return (
+    '<table class="jp-Infinijup-vartable"><tbody>' +
+    items
+      .map(
+        v =>
+          `<tr data-var="${esc(v.name)}"><td><code class="jp-Infinijup-varname">${esc(
+            v.name
+          )}</code></td><td class="jp-Infinijup-vartype">${esc(v.type)}${
+            v.shape
+              ? ` <span class="jp-Infinijup-dim">${esc(v.shape)}</span>`
+              : ''
+          }</td><td class="jp-Infinijup-varsize">${formatBytes(v.size)}</td></tr>`
+      )
+      .join('') +
+    '</tbody></table>'
+  );
+}
+
+function truncate(text: string, n: number): string {
+  return text.length > n ? text.slice(0, n - 1) + '…' : text;
 }

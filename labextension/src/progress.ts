@@ -52,6 +52,12 @@ export interface INotifier {
   dismiss(id?: string): void;
 }
 
+const OP_LABELS: { [op in OperationKind]: string } = {
+  snapshot: 'Snapshot',
+  restore: 'Restore',
+  resume: 'Resume'
+};
+
 /** Notifications longer than this are cut by JupyterLab. */
 const MAX_MESSAGE = 140;
 
@@ -67,10 +73,18 @@ export class ProgressTracker {
   /**
    * Start tracking an operation this tab is starting.
    *
+   * @param kernelId - the kernel; '' for a resume (its kernel is not known
+   *   yet: its events are matched by notebook path).
    * @param label - e.g. "Snapshot of analysis.ipynb".
+   * @param path - the notebook's path (matches resume events).
    */
-  begin(op: OperationKind, kernelId: string, label: string): OperationHandle {
-    const handle = new OperationHandle(this, op, kernelId, label);
+  begin(
+    op: OperationKind,
+    kernelId: string,
+    label: string,
+    path = ''
+  ): OperationHandle {
+    const handle = new OperationHandle(this, op, kernelId, label, path);
     this._handles.push(handle);
     return handle;
   }
@@ -79,13 +93,13 @@ export class ProgressTracker {
   handleEvent(event: IOperationEvent): void {
     let handle = this._byOpId.get(event.op_id);
     if (!handle) {
-      handle = this._handles.find(
-        h =>
-          !h.opId &&
-          !h.finished &&
-          h.op === event.op &&
-          h.kernelId === event.kernel_id
+      const pending = this._handles.filter(
+        h => !h.opId && !h.finished && h.op === event.op
       );
+      handle =
+        pending.find(h => !!h.kernelId && h.kernelId === event.kernel_id) ??
+        // A resume's kernel is new: match by the notebook's path (or its copy).
+        pending.find(h => !h.kernelId && samePathOrCopy(h.path, event.path));
       if (handle) {
         handle.opId = event.op_id;
         this._byOpId.set(event.op_id, handle);
@@ -93,8 +107,14 @@ export class ProgressTracker {
         !this._finishedOps.has(event.op_id) &&
         this._isRelevant(event)
       ) {
-        const label = `${event.op === 'snapshot' ? 'Snapshot' : 'Restore'} of ${this._describe(event)}`;
-        handle = new OperationHandle(this, event.op, event.kernel_id, label);
+        const label = `${OP_LABELS[event.op]} of ${this._describe(event)}`;
+        handle = new OperationHandle(
+          this,
+          event.op,
+          event.kernel_id,
+          label,
+          event.path
+        );
         handle.opId = event.op_id;
         handle.external = true;
         this._handles.push(handle);
@@ -216,7 +236,8 @@ export class OperationHandle {
     private readonly _tracker: ProgressTracker,
     readonly op: OperationKind,
     readonly kernelId: string,
-    readonly label: string
+    readonly label: string,
+    readonly path = ''
   ) {
     this._tracker._notify(this, `${label}: starting…`, 'in-progress', {
       autoClose: false,
@@ -253,7 +274,9 @@ export class OperationHandle {
         const what =
           event.op === 'snapshot'
             ? `Snapshot ${shortId(event.commit)} saved`
-            : `Restored ${shortId(event.commit)}`;
+            : event.op === 'resume'
+              ? `Resumed ${shortId(event.commit)}`
+              : `Restored ${shortId(event.commit)}`;
         this.succeed(
           `${what}${event.thread ? ` on ${event.thread}` : ''} (${this.label.replace(
             /^\w+ of /,
@@ -356,6 +379,27 @@ export class OperationHandle {
 
   private _finished = false;
   private _errorEvent: { message: string; reason?: string } | null = null;
+}
+
+/**
+ * Whether an event's notebook is `path` or the copy a resume into a new
+ * notebook makes of it ("<dir>/<stem>-<suffix>.ipynb").
+ */
+export function samePathOrCopy(path: string, eventPath: string): boolean {
+  if (!path || !eventPath) {
+    return false;
+  }
+  if (path === eventPath) {
+    return true;
+  }
+  const slash = path.lastIndexOf('/');
+  const dir = path.slice(0, slash + 1);
+  const stem = path.slice(slash + 1).replace(/\.ipynb$/, '');
+  return (
+    eventPath.startsWith(`${dir}${stem}-`) &&
+    !eventPath.slice(dir.length).includes('/') &&
+    eventPath.endsWith('.ipynb')
+  );
 }
 
 function truncate(message: string): string {

@@ -3,12 +3,16 @@ import { ServerConnection } from '@jupyterlab/services';
 
 import { InfinijupRequestError } from './errors';
 import type {
+  IBranchRequest,
+  IBranchResult,
   IHistory,
   IHistoryQuery,
   IInfinijupAPI,
   IKernelStatus,
   IRestoreRequest,
   IRestoreResult,
+  IResumeRequest,
+  IResumeResult,
   ISnapshotRequest,
   ISnapshotResult
 } from './types';
@@ -111,6 +115,14 @@ export class InfinijupClient implements IInfinijupAPI {
     return this._post<IRestoreResult>('restore', body);
   }
 
+  branch(body: IBranchRequest): Promise<IBranchResult> {
+    return this._post<IBranchResult>('branch', body);
+  }
+
+  resume(body: IResumeRequest): Promise<IResumeResult> {
+    return this._post<IResumeResult>('resume', body);
+  }
+
   async history(query: IHistoryQuery): Promise<IHistory> {
     const data = await requestAPI<IHistory>(
       'history' + URLExt.objectToQueryString(compact(query)),
@@ -163,6 +175,13 @@ export function normalizeHistory(data: any): IHistory {
   const commits = data.commits
     .filter((c: any) => c && typeof c.id === 'string')
     .map((c: any) => ({
+      ...(typeof c.resumable === 'boolean'
+        ? {
+            resumable: c.resumable,
+            resumable_reason:
+              typeof c.resumable_reason === 'string' ? c.resumable_reason : null
+          }
+        : {}),
       id: c.id,
       parents: Array.isArray(c.parents)
         ? c.parents.filter((p: any) => typeof p === 'string')
@@ -190,8 +209,16 @@ export function normalizeHistory(data: any): IHistory {
   const head =
     data.head && typeof data.head === 'object'
       ? {
-          thread: typeof data.head.thread === 'string' ? data.head.thread : '',
-          commit: typeof data.head.commit === 'string' ? data.head.commit : null
+          thread:
+            typeof data.head.thread === 'string' && data.head.thread
+              ? data.head.thread
+              : null,
+          commit:
+            typeof data.head.commit === 'string' ? data.head.commit : null,
+          next_thread:
+            typeof data.head.next_thread === 'string' && data.head.next_thread
+              ? data.head.next_thread
+              : null
         }
       : null;
   return { commits, threads, head };

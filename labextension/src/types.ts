@@ -36,17 +36,59 @@ export interface ICommit {
   message: string;
   /** Creation time, seconds since the epoch. */
   created: number;
-  /** Free-form metadata; `metadata.gpu` is present when the commit holds GPU state. */
+  /**
+   * Free-form metadata; `metadata.gpu` is present when the commit holds GPU
+   * state, `metadata.cell` and `metadata.variables` (ICellInfo, IVariables)
+   * describe it when the kernel recorded them (older snapshots lack them).
+   */
   metadata: { [key: string]: any };
   stats: ICommitStats;
+  /** Whether the commit can be resumed on this server (absent: unknown). */
+  resumable?: boolean;
+  /** Why not, when `resumable` is false. */
+  resumable_reason?: string | null;
+}
+
+/** `metadata.cell`: the last cell the kernel ran before the snapshot. */
+export interface ICellInfo {
+  execution_count: number | null;
+  /** The first line of the cell's source. */
+  source: string;
+}
+
+/** One user variable in `metadata.variables.items`. */
+export interface IVariableInfo {
+  name: string;
+  /** Its type's name, e.g. "DataFrame". */
+  type: string;
+  /** Approximate size in bytes. */
+  size: number;
+  /** e.g. "(1000, 3)", or null. */
+  shape: string | null;
+  /** A fingerprint that changes when the value changes. */
+  fp: string;
+  /** Changed since the parent commit (or new). */
+  changed: boolean;
+}
+
+/** `metadata.variables`. */
+export interface IVariables {
+  items: IVariableInfo[];
+  /** True when the kernel listed only part of its variables. */
+  truncated: boolean;
 }
 
 /** Where the kernel is now. */
 export interface IHead {
-  /** The thread the next snapshot goes to. */
-  thread: string;
+  /**
+   * The kernel's thread; null after restoring a commit that is no thread's
+   * tip (the next snapshot then starts a new thread).
+   */
+  thread: string | null;
   /** The commit the kernel was last snapshotted or restored at (null if none yet). */
   commit: string | null;
+  /** The thread the next snapshot goes to, as the server plans it (newer servers). */
+  next_thread?: string | null;
 }
 
 /** GET /infinijup/history */
@@ -88,7 +130,42 @@ export interface IRestoreRequest {
 export interface IRestoreResult {
   kernel_id: string;
   commit: string;
+  /** null when the next snapshot starts a new thread. */
+  thread: string | null;
+  duration_s: number;
+}
+
+/** POST /infinijup/branch body: a new thread at the kernel's HEAD, kernel untouched. */
+export interface IBranchRequest {
+  kernel_id: string;
+  name: string;
+}
+
+/** POST /infinijup/branch reply (200). */
+export interface IBranchResult {
+  kernel_id: string;
   thread: string;
+  commit: string | null;
+}
+
+/** POST /infinijup/resume body: start a new kernel from a commit. */
+export interface IResumeRequest {
+  /** The notebook whose history holds the commit. */
+  path: string;
+  commit: string;
+  kernel_name?: string;
+  /** Copy the notebook to a new file and resume there. */
+  new_notebook?: boolean;
+}
+
+/** POST /infinijup/resume reply (200). */
+export interface IResumeResult {
+  kernel_id: string;
+  session_id: string;
+  /** The notebook the new kernel belongs to (a new file with `new_notebook`). */
+  path: string;
+  commit: string;
+  thread: string | null;
   duration_s: number;
 }
 
@@ -106,7 +183,7 @@ export interface IKernelStatus {
   operation: IOperationStatus | null;
 }
 
-export type OperationKind = 'snapshot' | 'restore';
+export type OperationKind = 'snapshot' | 'restore' | 'resume';
 
 export type OperationPhase =
   | 'queued'
@@ -149,6 +226,8 @@ export interface IHistoryQuery {
 export interface IInfinijupAPI {
   snapshot(body: ISnapshotRequest): Promise<ISnapshotResult>;
   restore(body: IRestoreRequest): Promise<IRestoreResult>;
+  branch(body: IBranchRequest): Promise<IBranchResult>;
+  resume(body: IResumeRequest): Promise<IResumeResult>;
   history(query: IHistoryQuery): Promise<IHistory>;
   status(kernelId: string): Promise<IKernelStatus>;
 }
@@ -180,7 +259,7 @@ export function parseOperationEvent(emission: {
   }
   const { op, op_id, kernel_id, phase } = emission;
   if (
-    (op !== 'snapshot' && op !== 'restore') ||
+    (op !== 'snapshot' && op !== 'restore' && op !== 'resume') ||
     typeof op_id !== 'string' ||
     typeof kernel_id !== 'string' ||
     typeof phase !== 'string'

@@ -36,6 +36,8 @@ class FakeAPI implements IInfinijupAPI {
 
   snapshot = jest.fn();
   restore = jest.fn();
+  branch = jest.fn();
+  resume = jest.fn();
   status = jest.fn();
 }
 
@@ -202,7 +204,11 @@ describe('HistoryModel', () => {
       model.handleEvent(
         event({ op: 'restore', phase: 'done', commit: 'c0', thread: 'alt' })
       );
-      expect(model.head).toEqual({ thread: 'alt', commit: 'c0' });
+      expect(model.head).toEqual({
+        thread: 'alt',
+        commit: 'c0',
+        next_thread: null
+      });
     });
 
     it('does not reload on an error event', async () => {
@@ -274,6 +280,144 @@ describe('HistoryModel', () => {
       expect(model.layout.rows[model.layout.rowOf.get('c20')!].node.id).toBe(
         'c20'
       );
+    });
+  });
+  describe('search', () => {
+    beforeEach(async () => {
+      const commits = linearHistory(40);
+      commits[35].metadata = {
+        variables: {
+          items: [
+            {
+              name: 'weights',
+              type: 'ndarray',
+              size: 8,
+              shape: '(1,)',
+              fp: 'f',
+              changed: true
+            }
+          ],
+          truncated: false
+        }
+      };
+      api.current = history(commits);
+      model.setTarget({ path: 'nb.ipynb', kernelId: 'k1' });
+      await flush();
+    });
+
+    it('finds commits by variable name and never folds a match away', () => {
+      const hidden = model.layout.hiddenCount;
+      expect(hidden).toBeGreaterThan(30);
+      expect(model.matches).toBeNull();
+      expect(model.isMatch('c0')).toBe(true);
+      const kinds: string[] = [];
+      model.changed.connect((_, k) => kinds.push(k));
+      model.query = 'weights';
+      expect(kinds).toEqual(['layout']);
+      expect(model.matches).toEqual(['c4']);
+      expect(model.isMatch('c4')).toBe(true);
+      expect(model.isMatch('c5')).toBe(false);
+      // c4 sits in the folded run: it is pinned, so it has a row of its own.
+      expect(model.layout.rows[model.layout.rowOf.get('c4')!].node.id).toBe(
+        'c4'
+      );
+      model.query = 'commit c1';
+      expect(model.matches).toEqual([
+        'c19',
+        'c18',
+        'c17',
+        'c16',
+        'c15',
+        'c14',
+        'c13',
+        'c12',
+        'c11',
+        'c10',
+        'c1'
+      ]);
+      model.query = '  ';
+      expect(model.matches).toBeNull();
+    });
+  });
+
+  describe('compare', () => {
+    beforeEach(async () => {
+      model.setTarget({ path: 'nb.ipynb', kernelId: 'k1' });
+      await flush();
+    });
+
+    it('picks the commit to compare with on the next selection', () => {
+      model.select('c2');
+      model.picking = true;
+      expect(model.picking).toBe(true);
+      model.select('c0');
+      expect(model.selected).toBe('c2');
+      expect(model.compareWith).toBe('c0');
+      expect(model.picking).toBe(false);
+      // Selecting another commit ends the comparison.
+      model.select('c1');
+      expect(model.compareWith).toBeNull();
+      // Comparing a commit with itself is no comparison.
+      model.setCompare('c1');
+      expect(model.compareWith).toBeNull();
+      model.setCompare('c2');
+      expect(model.compareWith).toBe('c2');
+      model.setCompare(null);
+      expect(model.compareWith).toBeNull();
+    });
+  });
+
+  describe('next snapshot', () => {
+    it('follows the server, or plans like it after a restore event', async () => {
+      api.current = {
+        ...history(),
+        head: { thread: 'main', commit: 'c2', next_thread: 'main' }
+      };
+      model.setTarget({ path: 'nb.ipynb', kernelId: 'k1' });
+      await flush();
+      expect(model.nextSnapshot).toEqual({
+        thread: 'main',
+        isNew: false,
+        parent: 'c2'
+      });
+      // A restore of c0 (not a tip): the event says no thread.
+      model.handleEvent(
+        event({ op: 'restore', phase: 'done', commit: 'c0', thread: '' })
+      );
+      expect(model.head).toEqual({
+        thread: null,
+        commit: 'c0',
+        next_thread: null
+      });
+      expect(model.nextSnapshot).toEqual({
+        thread: 'main-1',
+        isNew: true,
+        parent: 'c0'
+      });
+    });
+
+    it('is unknown without a kernel', async () => {
+      model.setTarget({ path: 'nb.ipynb', kernelId: null });
+      await flush();
+      expect(model.commits).toHaveLength(3);
+      expect(model.nextSnapshot).toBeNull();
+    });
+
+    it('reloads a kernel-less history when a resume of its notebook ends', async () => {
+      model.setTarget({ path: 'nb.ipynb', kernelId: null });
+      await flush();
+      model.handleEvent(
+        event({
+          op: 'resume',
+          kernel_id: 'new',
+          phase: 'done',
+          commit: 'c1',
+          thread: 'main'
+        })
+      );
+      await flush();
+      await flush();
+      expect(api.queries).toEqual([{ path: 'nb.ipynb' }, { path: 'nb.ipynb' }]);
     });
   });
 });

@@ -4,7 +4,8 @@ import {
   INotifier,
   NotificationKind,
   progressBar,
-  ProgressTracker
+  ProgressTracker,
+  samePathOrCopy
 } from '../src/progress';
 import {
   EVENT_SCHEMA_ID,
@@ -73,6 +74,72 @@ describe('ProgressTracker', () => {
     });
   });
 
+  it('follows a resume by notebook path (its kernel is new)', () => {
+    tracker = new ProgressTracker({ notifier, settleMs: 0 });
+    const handle = tracker.begin(
+      'resume',
+      '',
+      'Resume of nb.ipynb',
+      'nb.ipynb'
+    );
+    const copy = tracker.begin(
+      'resume',
+      '',
+      'New notebook from a.ipynb',
+      'd/a.ipynb'
+    );
+    // Another notebook's resume is not this one's.
+    const other = {
+      op: 'resume' as const,
+      op_id: 'r0',
+      kernel_id: 'kx',
+      path: 'other.ipynb'
+    };
+    tracker.handleEvent(event(other));
+    tracker.handleEvent(
+      event({
+        op: 'resume',
+        op_id: 'r1',
+        kernel_id: 'k9',
+        phase: 'restore',
+        percent: 60
+      })
+    );
+    // A resume into a new notebook may report the copy's path.
+    tracker.handleEvent(
+      event({
+        op: 'resume',
+        op_id: 'r2',
+        kernel_id: 'k8',
+        path: 'd/a-c0ffee00.ipynb'
+      })
+    );
+    expect(handle.opId).toBe('r1');
+    expect(handle.percent).toBe(60);
+    expect(copy.opId).toBe('r2');
+    handle.succeed(
+      'Resumed c0ffee00 in a new kernel in 1.0 s · next snapshot on main'
+    );
+    const own = notifier.notes.find(n => n.id === handle.notificationId)!;
+    expect(own.type).toBe('success');
+    // The other notebook's resume got a notification of its own.
+    tracker.handleEvent(
+      event({ ...other, phase: 'done', commit: 'c0ffee0011', thread: 'main' })
+    );
+    expect(notifier.notes.map(n => n.message)).toContain(
+      'Resumed c0ffee00 on main (other.ipynb)'
+    );
+  });
+
+  it('tells a notebook from its copies', () => {
+    expect(samePathOrCopy('d/a.ipynb', 'd/a.ipynb')).toBe(true);
+    expect(samePathOrCopy('d/a.ipynb', 'd/a-1a2b3c4d.ipynb')).toBe(true);
+    expect(samePathOrCopy('a.ipynb', 'a-1a2b3c4d.ipynb')).toBe(true);
+    expect(samePathOrCopy('d/a.ipynb', 'd/ab.ipynb')).toBe(false);
+    expect(samePathOrCopy('d/a.ipynb', 'd/a-x/y.ipynb')).toBe(false);
+    expect(samePathOrCopy('d/a.ipynb', 'e/a-1.ipynb')).toBe(false);
+    expect(samePathOrCopy('', 'a.ipynb')).toBe(false);
+  });
   it('shows the phases of an operation started here, then its result', () => {
     const handle = tracker.begin('snapshot', 'k1', 'Snapshot of nb.ipynb');
     expect(notifier.notes).toHaveLength(1);

@@ -187,6 +187,32 @@ describe('InfinijupClient', () => {
     ]);
   });
 
+  it('posts resumes and branches', async () => {
+    const calls: [string, any][] = [];
+    const client = new InfinijupClient(
+      settings(async req => {
+        calls.push([new URL(req.url).pathname, await req.json()]);
+        return json(200, { kernel_id: 'k2', path: 'a-12345678.ipynb' });
+      })
+    );
+    const result = await client.resume({
+      path: 'a.ipynb',
+      commit: 'abcd1234',
+      new_notebook: true
+    });
+    expect(result.path).toBe('a-12345678.ipynb');
+    await client.resume({ path: 'a.ipynb', commit: 'abcd1234' });
+    await client.branch({ kernel_id: 'k1', name: 'exp' });
+    expect(calls).toEqual([
+      [
+        '/lab-base/infinijup/resume',
+        { path: 'a.ipynb', commit: 'abcd1234', new_notebook: true }
+      ],
+      ['/lab-base/infinijup/resume', { path: 'a.ipynb', commit: 'abcd1234' }],
+      ['/lab-base/infinijup/branch', { kernel_id: 'k1', name: 'exp' }]
+    ]);
+  });
+
   it('queries history by kernel or path', async () => {
     const urls: string[] = [];
     const client = new InfinijupClient(
@@ -234,6 +260,31 @@ describe('normalizeHistory', () => {
     });
     expect(h.threads).toEqual({ main: 'a' });
     expect(h.head).toBeNull();
+  });
+
+  it('keeps where the next snapshot goes and whether commits resume here', () => {
+    const h = normalizeHistory({
+      commits: [
+        { id: 'a', resumable: false, resumable_reason: 'other GPUs' },
+        { id: 'b', resumable: true, resumable_reason: null },
+        { id: 'c', resumable: 'maybe' }
+      ],
+      threads: { main: 'b' },
+      head: { thread: null, commit: 'a', next_thread: 'main-1' }
+    });
+    expect(h.head).toEqual({
+      thread: null,
+      commit: 'a',
+      next_thread: 'main-1'
+    });
+    expect(h.commits[0].resumable).toBe(false);
+    expect(h.commits[0].resumable_reason).toBe('other GPUs');
+    expect(h.commits[1].resumable).toBe(true);
+    expect('resumable' in h.commits[2]).toBe(false);
+    // Older servers: no next_thread, an empty thread reads as none.
+    expect(
+      normalizeHistory({ commits: [], head: { thread: '', commit: null } }).head
+    ).toEqual({ thread: null, commit: null, next_thread: null });
   });
 
   it('rejects replies without commits', () => {

@@ -67,7 +67,9 @@ describe('ManagedKernels', () => {
       status,
       history: jest.fn(),
       snapshot: jest.fn(),
-      restore: jest.fn()
+      restore: jest.fn(),
+      branch: jest.fn(),
+      resume: jest.fn()
     };
   }
 
@@ -112,7 +114,9 @@ describe('GraphView', () => {
       history: async () => history,
       status: jest.fn(),
       snapshot: jest.fn(),
-      restore: jest.fn()
+      restore: jest.fn(),
+      branch: jest.fn(),
+      resume: jest.fn()
     };
     return new HistoryModel({ api, refreshDelay: 0, collapse: false });
   }
