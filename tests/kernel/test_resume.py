@@ -146,9 +146,11 @@ async def test_bad_resumes_start_nothing(notebook: Notebook, tmp_path, monkeypat
         meta["connection"].pop("key")
 
     def other_gpu(meta, work):
-        meta["gpu"] = {"fingerprint": {"gpus": [{"uuid": "GPU-00000000-0000-0000-0000-000000000000",
-                                                 "name": "NVIDIA H100 80GB HBM3"}],
-                                       "driver": "580.1", "cuda": 13000}}
+        gpus = [{"index": i, "name": "NVIDIA B200", "pci_bus_id": f"0000:{i:02x}:00.0",
+                 "uuid": f"GPU-0000000{i}-0000-0000-0000-000000000000",
+                 "memory_total": 192 << 30} for i in range(8)]
+        meta["gpu"] = {"fingerprint": {"gpus": gpus, "driver_version": "999.1",
+                                       "cuda_driver_version": 99000}}
 
     def short_pages(meta, work):
         pages = sorted(work.glob("pages-*.img"), key=lambda p: p.stat().st_size)[-1]

@@ -516,9 +516,8 @@ class ServerProcess:
         self.log_path = base / "server.log"
 
     def start(self, timeout: float = 60.0) -> None:
-        exe = str(Path(sys.executable).with_name("jupyter-server"))
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([exe], env=self.env, stdout=self._log,
+        self.proc = subprocess.Popen([sys.executable, "-m", "jupyter_server"], env=self.env, stdout=self._log,
                                      stderr=subprocess.STDOUT, cwd=str(self.base))
         deadline = time.monotonic() + timeout
         while True:
@@ -580,8 +579,14 @@ class ServerProcess:
     def sigkill(self) -> None:
         assert self.proc is not None
         self.proc.kill()
-        self.proc.wait()
+        self.wait_exited()
+
+    def wait_exited(self, timeout: float = 120.0) -> int:
+        """Wait for the server process to end (say, killed at a store crash point)."""
+        assert self.proc is not None
+        code = self.proc.wait(timeout=timeout)
         self._log.close()
+        return code
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
