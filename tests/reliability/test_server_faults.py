@@ -4,12 +4,19 @@ The kernel is not the server's child (the helper launched it), so it runs on; th
 no partial commit and passes ``check --read-data``; ``gc`` removes what the ingest had written;
 a new server on the same store and helper finds the notebook's history, its next snapshot
 works, and the images the dead server left in the helper's work dir are removed.
+
+Killed at the phase named, never after a delay: in the dump, while the helper waits at a hold
+point (infinijup_helper/holds.py) with CRIU started; in the store ingest, by the store's own
+crash point (``INFINIJUP_STORE_CRASH_AT``, infinijup/store/faults.py) once the snapshot's packs
+and commit object are written, before its thread moves.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
+import signal
 import threading
 import time
 
@@ -38,20 +45,6 @@ def _kernel_root(kernel_id: str) -> int:
     raise AssertionError(f"no process for kernel {kernel_id}")
 
 
-def _wait_phase(server: ServerProcess, kernel_id: str, phases: set[str], timeout: float = 60):
-    deadline = time.monotonic() + timeout
-    seen = []
-    while time.monotonic() < deadline:
-        code, status = server.request("GET", f"/infinijup/status?kernel_id={kernel_id}")
-        op = status.get("operation") if code == 200 else None
-        if op and (not seen or seen[-1] != op["phase"]):
-            seen.append(op["phase"])
-        if op and op["phase"] in phases:
-            return
-        time.sleep(0.005)
-    raise AssertionError(f"no phase in {phases} within {timeout} s (saw {seen})")
-
-
 @pytest.fixture
 def server_base():
     base = make_base()
@@ -65,7 +58,10 @@ def test_server_killed_mid_snapshot(helper_up, server_base, store_path, phase):
 
     helper = HelperClient(helper_up.socket_path, timeout=120)
     notebooks = server_base / "notebooks"
-    first = ServerProcess(server_base / "a", helper_up.socket_path, store_path, notebooks)
+    # the base snapshot is the store's first commit, the one killed mid-ingest its second
+    crash = {"INFINIJUP_STORE_CRASH_AT": "after_commit:2"} if phase == "store" else {}
+    first = ServerProcess(server_base / "a", helper_up.socket_path, store_path, notebooks,
+                          extra_env=crash)
     first.start()
     root = None
     try:
@@ -81,16 +77,18 @@ def test_server_killed_mid_snapshot(helper_up, server_base, store_path, phase):
         store_before = tree_bytes(store_path)
 
         outcome = {}
+        if phase == "dump":
+            helper_up.holds.arm("criu_dump_request")
         snap = threading.Thread(target=lambda: outcome.update(r=_try_snapshot(first, kernel_id)))
         snap.start()
-        _wait_phase(first, kernel_id, {phase})
-        if phase == "dump":  # the request has reached the helper: CRIU is dumping
-            deadline = time.monotonic() + 30
-            while not helper_up.criu_children():
-                assert time.monotonic() < deadline, "CRIU never started"
-                time.sleep(0.002)
-        first.sigkill()
-        snap.join(60)
+        if phase == "dump":  # the request has reached the helper: CRIU runs
+            asyncio.run(helper_up.holds.reached("criu_dump_request"))
+            first.sigkill()
+            helper_up.holds.release("criu_dump_request")
+        else:
+            assert first.wait_exited() == -signal.SIGKILL  # at its crash point
+            assert tree_bytes(store_path) > store_before + (200 << 20)  # the ingest's packs
+        snap.join(120)
         assert outcome["r"] == "connection lost"
 
         # the kernel runs on, state intact
