@@ -195,20 +195,22 @@ class OperationEvents:
                            f"phase in {sorted(phases)} (seen {self.phases(kernel_id)})",
                            interval=0.002)
 
-    def most_at_once(self, op: str) -> int:
-        """The most operations ``op`` that were under way at the same moment (from each
-        operation's first event to its last, "done" or "error")."""
-        running: set[str] = set()
-        most = 0
-        for e in self.events:
-            if e["op"] != op:
-                continue
-            if e["phase"] in ("done", "error"):
-                running.discard(e["op_id"])
-            else:
-                running.add(e["op_id"])
-            most = max(most, len(running))
-        return most
+
+
+def most_at_once(events: list[dict], op: str) -> int:
+    """The most operations ``op`` under way at the same moment in ``events`` (each from its
+    first event to its last, "done" or "error")."""
+    running: set[str] = set()
+    most = 0
+    for e in events:
+        if e["op"] != op:
+            continue
+        if e["phase"] in ("done", "error"):
+            running.discard(e["op_id"])
+        else:
+            running.add(e["op_id"])
+        most = max(most, len(running))
+    return most
 
 
 class PhaseWatch(OperationEvents):

@@ -21,14 +21,17 @@ import time
 import psutil
 import pytest
 from reliakit import (
+    OperationEvents,
     assert_store_ok,
     fd_count,
     fill,
+    most_at_once,
     needs_helper,
     provisioner,
     rss_mib,
     store_cli,
     tree_bytes,
+    until,
 )
 
 CYCLES = int(os.environ.get("INFINIJUP_SOAK_CYCLES", "20"))
@@ -151,6 +154,27 @@ async def test_snapshot_restore_cycles(notebook, jp_serverapp, rhelper, store_pa
     assert_store_ok(store_path)
 
 
+async def all_at_once(nbs, calls, rhelper, events: OperationEvents, op: str, point: str,
+                      phase: str) -> list:
+    """Run ``calls`` (one per notebook) at once and prove they overlapped: the first to reach
+    the helper's hold ``point`` waits there until every other operation has reached ``phase``
+    (published by the server), so all of them are under way together."""
+    seen = len(events.events)
+    rhelper.holds.arm(point)
+    gathered = asyncio.gather(*calls)
+    try:
+        await rhelper.holds.reached(point)
+        await until(lambda: {e["kernel_id"] for e in events.events[seen:] if e["op"] == op
+                             and e["phase"] == phase} == {nb.kernel_id for nb in nbs},
+                    120, f"every {op} to reach {phase} while one is held")
+        assert not gathered.done()
+    finally:
+        rhelper.holds.release(point)
+    results = await gathered
+    assert most_at_once(events.events[seen:], op) == len(nbs), events.events[seen:]
+    return results
+
+
 async def test_four_kernels_snapshot_at_once(open_notebook, jp_serverapp, rhelper, store_path):
     rhelper.ensure_running()
     nbs = [await open_notebook(f"parallel-{k}.ipynb") for k in range(4)]
@@ -158,11 +182,13 @@ async def test_four_kernels_snapshot_at_once(open_notebook, jp_serverapp, rhelpe
     fds_before = fd_count(os.getpid()), fd_count(rhelper.pid)
     rounds = 3
     commits = {nb.kernel_id: [] for nb in nbs}
+    events = OperationEvents(jp_serverapp)
     t0 = time.perf_counter()
     for r in range(rounds):
         for k, nb in enumerate(nbs):
             await nb.execute(f"x = ({k}, {r})")
-        results = await asyncio.gather(*(nb.snapshot(message=f"round {r}") for nb in nbs))
+        results = await all_at_once(nbs, [nb.snapshot(message=f"round {r}") for nb in nbs],
+                                    rhelper, events, "snapshot", "criu_dump_request", "dump")
         for nb, res in zip(nbs, results, strict=True):
             commits[nb.kernel_id].append(res["commit"])
     took = time.perf_counter() - t0
@@ -173,7 +199,9 @@ async def test_four_kernels_snapshot_at_once(open_notebook, jp_serverapp, rhelpe
         assert [c["id"] for c in hist["commits"]][::-1] == commits[nb.kernel_id]
         assert hist["threads"] == {"main": commits[nb.kernel_id][-1]}
     # and all 4 restore at once, each to its own first snapshot
-    await asyncio.gather(*(nb.restore(commits[nb.kernel_id][0]) for nb in nbs))
+    await all_at_once(nbs, [nb.restore(commits[nb.kernel_id][0]) for nb in nbs], rhelper,
+                      events, "restore", "criu_restore_request", "restore")
+    events.close()
     for k, nb in enumerate(nbs):
         assert await nb.value("x") == (k, 0)
         assert await nb.value("__import__('hashlib').sha256(big).hexdigest()") == digests[k]
