@@ -1,17 +1,19 @@
-"""Finding page deltas: a parent file's page map, and the delta of a new chunk against it.
+"""Finding page deltas: a new chunk against its parent file's pages at the same place.
 
 A snapshot's ``pages-*.img`` is mostly its parent's: CDC finds the unchanged chunks by id,
-and a chunk with a few changed pages is new. ``BaseMap`` says, for every page of the
-parent's version of the file, which chunk stored *whole* holds it and where (pages of a
-parent chunk that is itself a delta point into that delta's sources; its literal pages
-are not used, so deltas never nest). ``BaseMap.encode`` compares each page of a new chunk
-with the parent's page at the same position (after the shift that the neighbouring
-unchanged chunks show) and, if at most half of the chunk is new bytes, returns the delta
-payload (delta.py).
+and a chunk with a few changed pages is new. For such a chunk, the nearest unchanged chunk
+before (or after) it in the same job says where it lies in the parent file: right after
+(before) that chunk's place there. ``BaseMap.encode`` compares each page of the new chunk
+with the parent's page at that place and, if at most half of the chunk is new bytes,
+returns its delta payload (delta.py): the matching pages as runs of parent chunks, the rest
+as literals.
 
-Only ingest after a first snapshot pays for this, and only for new chunks: the page map is
-built once per file (one index query), and a new chunk costs reading its one or two source
-chunks (verified) and comparing pages.
+Sources are always chunks stored whole: a parent page inside a chunk that is itself a delta
+is taken from that delta's source (its literal pages are not used), so deltas never nest.
+Nothing is computed for the whole parent file up front: the map holds the parent's chunk
+ids, and the lengths and headers of the few parent chunks next to each new chunk are looked
+up when needed (and cached). Only ingest with a parent pays for any of this, and only for
+new chunks.
 """
 
 from __future__ import annotations
@@ -33,60 +35,45 @@ if TYPE_CHECKING:
     from .reader import ObjectReader
     from .repository import Repository
 
-_SLICE = 1 << 20  # pages mapped per numpy pass (bounds temporary memory)
 NEIGHBOURS = 8  # chunks looked at on each side of a new chunk for an unchanged one
 # When the file has little in common with its parent, trying costs reads for nothing: after
 # TRIAL attempts, if fewer than 1 in HIT_RATE succeed, only every SPARSE-th chunk is tried.
 TRIAL, HIT_RATE, SPARSE = 64, 8, 16
 
+#: Where a parent page is stored whole: (source chunk id, its location, offset in it).
+PagePlace = tuple[bytes, Location, int]
+
 
 class BaseMap:
-    """Where each page of a parent file is stored whole (see module docs)."""
+    """A parent file's chunks, to find where its pages are (see module docs).
 
-    def __init__(self, src_ids: list[bytes], src_locs: list[Location], page_src: np.ndarray,
-                 page_off: np.ndarray, anchors: dict[bytes, tuple[int, int]]) -> None:
-        self.src_ids = src_ids
-        self.src_locs = src_locs
-        self.page_src = page_src  # int32 per parent page: index into src_ids, -1: none
-        self.page_off = page_off  # int64: offset of the page in that source
-        self.anchors = anchors  # chunk id -> (start, end) in the parent, for unique ids
-        self.tried = 0  # counters shared by the worker threads (approximate is enough)
+    Used from the writer's worker threads: the caches are plain dicts (a race at worst
+    looks a chunk up twice) and the counters are approximate.
+    """
+
+    def __init__(self, repo: Repository, reader: ObjectReader, ids: list[bytes]) -> None:
+        self.repo = repo
+        self.reader = reader
+        self.ids = ids
+        anchors = {c: j for j, c in enumerate(ids)}
+        for c, count in Counter(ids).items():
+            if count > 1:
+                del anchors[c]  # repeated chunks (zeros) say nothing about position
+        self.anchors = anchors
+        self._locs: dict[bytes, Location | None] = {}
+        self._headers: dict[bytes, delta.Delta | None] = {}
+        self.tried = 0
         self.hits = 0
         self.skipped = 0
 
     @classmethod
     def build(cls, repo: Repository, reader: ObjectReader, blob_id: str) -> BaseMap | None:
-        """The page map of the stored file ``blob_id``, or None if it cannot be read."""
+        """The map of the stored file ``blob_id``, or None if it cannot be read."""
         try:
-            size, ids = repo.get_blob_chunks(blob_id)
-            locs = repo.index.lookup_many(ids)
-            if len(locs) < len(set(ids)) or size < PAGE:
-                return None
-            n = len(ids)
-            lens = np.fromiter((locs[c].raw_length for c in ids), np.int64, n)
-            whole = np.fromiter((locs[c].compression != DELTA for c in ids), np.bool_, n)
-            ends = np.cumsum(lens)
-            starts = ends - lens
-            npages = size // PAGE
-            page_src = np.full(npages, -1, dtype=np.int32)
-            page_off = np.zeros(npages, dtype=np.int64)
-            for k0 in range(0, npages, _SLICE):
-                q = np.arange(k0, min(k0 + _SLICE, npages), dtype=np.int64) * PAGE
-                c = np.searchsorted(starts, q, side="right") - 1
-                ok = (q + PAGE <= ends[c]) & whole[c]
-                page_src[k0 : k0 + len(q)][ok] = c[ok]
-                page_off[k0 : k0 + len(q)][ok] = q[ok] - starts[c[ok]]
-            src_ids, src_locs = list(ids), [locs[c] for c in ids]
-            if not whole.all():
-                _map_deltas(reader, repo, ids, locs, starts, np.flatnonzero(~whole), src_ids,
-                            src_locs, page_src, page_off)
+            _size, ids = repo.get_blob_chunks(blob_id)
         except StoreError:
             return None  # a damaged parent: store this file without deltas
-        anchors = {c: (int(s), int(e)) for c, s, e in zip(ids, starts, ends, strict=True)}
-        for c, count in Counter(ids).items():
-            if count > 1:
-                del anchors[c]  # repeated chunks (zeros) say nothing about position
-        return cls(src_ids, src_locs, page_src, page_off, anchors)
+        return cls(repo, reader, ids) if ids else None
 
     def worth_trying(self) -> bool:
         """Whether to try a delta for the next new chunk (see TRIAL)."""
@@ -100,97 +87,148 @@ class BaseMap:
         self.tried += 1
         self.hits += hit
 
-    def shifts(self, ids: list[bytes], starts: list[int], ends: list[int], i: int) -> list[int]:
-        """Candidate shifts (new offset - parent offset) for the new chunk ``i`` of a job,
-        from the nearest unchanged chunks before and after it, then 0."""
-        out: list[int] = []
+    def places(self, ids: list[bytes], starts: list[int], ends: list[int], i: int
+               ) -> list[tuple[int, int]]:
+        """Where the new chunk ``i`` of a job may lie in the parent, as (parent chunk index,
+        byte offset from its start, possibly negative): after the nearest unchanged chunk
+        before it, and before the nearest one after it."""
+        out: list[tuple[int, int]] = []
         anchors = self.anchors
         for j in range(i - 1, max(i - 1 - NEIGHBOURS, -1), -1):
             a = anchors.get(ids[j])
             if a is not None:
-                out.append(ends[j] - a[1])
+                out.append((a + 1, starts[i] - ends[j]))
                 break
         for j in range(i + 1, min(i + 1 + NEIGHBOURS, len(ids))):
             a = anchors.get(ids[j])
             if a is not None:
-                if starts[j] - a[0] not in out:
-                    out.append(starts[j] - a[0])
+                out.append((a, starts[i] - starts[j]))
                 break
-        if 0 not in out:
-            out.append(0)
         return out
 
-    def encode(self, chunk: memoryview, start: int, shift: int,
-               source: Callable[[int], bytes | None], cctx: zstandard.ZstdCompressor,
-               min_saving: float) -> bytes | None:
-        """The delta payload of ``chunk`` (at stream offset ``start``) against the parent
-        pages at ``start - shift``, or None when more than half of it would be literal.
+    def encode(self, chunk: memoryview, place: tuple[int, int],
+               source: Callable[[bytes, Location], bytes | None],
+               cctx: zstandard.ZstdCompressor, min_saving: float) -> bytes | None:
+        """The delta payload of ``chunk`` against the parent pages at ``place`` (see
+        ``places``), or None when more than half of it would be literal bytes.
 
-        ``source(i)`` returns the verified plaintext of ``src_ids[i]``, or None if it
+        ``source(id, location)`` returns a source's verified plaintext, or None if it
         cannot be read (its pages then count as changed).
         """
         n = len(chunk)
-        pos = start - shift
         npg = n // PAGE
-        if pos < 0 or pos % PAGE or not npg:
+        if not npg:
             return None
         budget = int(n * delta.MAX_LITERAL_SHARE)
-        k0 = pos // PAGE
-        k1 = min(k0 + npg, len(self.page_src))
-        src = np.full(npg, -1, dtype=np.int64)
-        off = np.zeros(npg, dtype=np.int64)
-        if k1 > k0:
-            src[: k1 - k0] = self.page_src[k0:k1]
-            off[: k1 - k0] = self.page_off[k0:k1]
-        words = np.frombuffer(chunk, dtype=np.uint64, count=npg * (PAGE // 8))
-        zero = ~words.reshape(npg, PAGE // 8).any(axis=1)
         tail = n - npg * PAGE
-        if int(((src < 0) & ~zero).sum()) * PAGE + tail > budget:
+        words = np.frombuffer(chunk, dtype=np.uint64, count=npg * (PAGE // 8))
+        zero = (~words.reshape(npg, PAGE // 8).any(axis=1)).tolist()
+        targets = self._pages(*place, npg)
+        if sum(1 for z, t in zip(zero, targets, strict=True) if not z and t is None) * PAGE \
+                + tail > budget:
             return None
         data = bytes(chunk)
-        kinds: list[int] = []  # per page: source index, ZEROS or LITERAL
-        literal_bytes = tail
+        kinds: list[tuple[int | bytes, int]] = []  # per page: (LITERAL/ZEROS/source id, offset)
+        literal = tail
         for i in range(npg):
-            s = int(src[i])
             if zero[i]:
-                kinds.append(delta.ZEROS)
+                kinds.append((delta.ZEROS, 0))
                 continue
-            if s >= 0:
-                plain = source(s)
-                o = int(off[i])
+            t = targets[i]
+            if t is not None:
+                plain = source(t[0], t[1])
+                o = t[2]
                 if plain is not None and plain[o : o + PAGE] == data[i * PAGE : (i + 1) * PAGE]:
-                    kinds.append(s)
+                    kinds.append((t[0], o))
                     continue
-            kinds.append(delta.LITERAL)
-            literal_bytes += PAGE
-            if literal_bytes > budget:
+            kinds.append((delta.LITERAL, 0))
+            literal += PAGE
+            if literal > budget:
                 return None
-        return _payload(data, kinds, off, tail, self.src_ids, cctx, min_saving)
+        return _payload(data, kinds, tail, cctx, min_saving)
+
+    # -- the parent's pages ----------------------------------------------------------------
+
+    def _pages(self, j: int, pos: int, count: int) -> list[PagePlace | None]:
+        """Where ``count`` pages of the parent are stored whole, from ``pos`` bytes after
+        the start of parent chunk ``j`` on (None: unknown, or not a whole page of one
+        chunk)."""
+        ids = self.ids
+        n = len(ids)
+        out: list[PagePlace | None] = [None] * count
+        try:
+            while pos < 0 and j > 0:
+                j -= 1
+                pos += self._length(j)
+            if pos < 0:
+                return out
+            for i in range(count):
+                while j < n and pos >= self._length(j):
+                    pos -= self._length(j)
+                    j += 1
+                if j >= n:
+                    break
+                if pos + PAGE <= self._length(j):
+                    out[i] = self._place(ids[j], pos)
+                pos += PAGE
+        except StoreError:
+            pass  # a parent chunk that cannot be looked up: its pages count as changed
+        return out
+
+    def _loc(self, cid: bytes) -> Location | None:
+        if cid not in self._locs:
+            self._locs[cid] = self.repo.index.lookup(cid)
+        return self._locs[cid]
+
+    def _length(self, j: int) -> int:
+        loc = self._loc(self.ids[j])
+        if loc is None:
+            raise StoreError(f"parent chunk {self.ids[j].hex()} is not indexed")
+        return loc.raw_length
+
+    def _place(self, cid: bytes, pos: int) -> PagePlace | None:
+        """Where the page ``pos`` bytes into parent chunk ``cid`` is stored whole."""
+        loc = self._loc(cid)
+        if loc is None:
+            return None
+        if loc.compression != DELTA:
+            return cid, loc, pos
+        h = self._headers.get(cid)
+        if h is None:
+            h = self._headers[cid] = self.reader.delta_header(cid, loc)
+        at = 0
+        for s, length, o in h.runs:
+            if at <= pos and pos + PAGE <= at + length:
+                if s in (delta.LITERAL, delta.ZEROS):
+                    return None
+                sid = h.sources[s]
+                sloc = self._loc(sid)
+                if sloc is None or sloc.compression == DELTA:
+                    return None  # sources stay whole: never build on a delta
+                return sid, sloc, o + pos - at
+            at += length
+            if at > pos:
+                return None  # the page straddles two runs
+        return None
 
 
-def _payload(data: bytes, kinds: list[int], off: np.ndarray, tail: int, src_ids: list[bytes],
+def _payload(data: bytes, kinds: list[tuple[int | bytes, int]], tail: int,
              cctx: zstandard.ZstdCompressor, min_saving: float) -> bytes:
-    """The delta payload of a chunk whose pages are ``kinds`` (source index into
-    ``src_ids``, ZEROS or LITERAL), literals zstd-compressed where that pays."""
-    slots: dict[int, int] = {}  # source index in the map -> index in the delta
-    sources: list[bytes] = []
+    """The delta payload of a chunk whose pages are ``kinds`` (LITERAL, ZEROS or a
+    source id, with the offset in the source), literals zstd-compressed where that pays."""
+    slots: dict[bytes, int] = {}
     runs: list[list[int]] = []  # [src, length, source offset]
     literals: list[bytes] = []
-    for i, k in enumerate(kinds):
-        if k == delta.LITERAL:
-            literals.append(data[i * PAGE : (i + 1) * PAGE])
-            src, o = delta.LITERAL, 0
-        elif k == delta.ZEROS:
-            src, o = delta.ZEROS, 0
+    for i, (k, o) in enumerate(kinds):
+        if isinstance(k, bytes):
+            src = slots.setdefault(k, len(slots))
         else:
-            src = slots.get(k)
-            if src is None:
-                src = slots[k] = len(sources)
-                sources.append(src_ids[k])
-            o = int(off[i])
+            src = k
+            if k == delta.LITERAL:
+                literals.append(data[i * PAGE : (i + 1) * PAGE])
         last = runs[-1] if runs else None
         if last is not None and last[0] == src and (
-                src in (delta.LITERAL, delta.ZEROS) or last[2] + last[1] == o):
+                not isinstance(k, bytes) or last[2] + last[1] == o):
             last[1] += PAGE
         else:
             runs.append([src, PAGE, o])
@@ -203,34 +241,5 @@ def _payload(data: bytes, kinds: list[int], off: np.ndarray, tail: int, src_ids:
     lit = b"".join(literals)
     packed = cctx.compress(lit) if lit else b""
     zstd = bool(lit) and len(packed) <= len(lit) * (1 - min_saving)
-    return delta.encode(sources, [(r[0], r[1], r[2]) for r in runs],
+    return delta.encode(list(slots), [(r[0], r[1], r[2]) for r in runs],
                         packed if zstd else lit, zstd, len(lit))
-
-
-def _map_deltas(reader: ObjectReader, repo: Repository, ids: list[bytes],
-                locs: dict[bytes, Location], starts: np.ndarray, which: np.ndarray,
-                src_ids: list[bytes], src_locs: list[Location], page_src: np.ndarray,
-                page_off: np.ndarray) -> None:
-    """Map the pages of the parent's delta chunks to their (whole) sources."""
-    headers = {int(c): reader.delta_header(ids[c], locs[ids[c]]) for c in which}
-    wanted = list({s for h in headers.values() for s in h.sources})
-    found = repo.index.lookup_many(wanted)
-    slot: dict[bytes, int] = {}
-    for sid in wanted:
-        loc = found.get(sid)
-        if loc is not None and loc.compression != DELTA:
-            slot[sid] = len(src_ids)
-            src_ids.append(sid)
-            src_locs.append(loc)
-    npages = len(page_src)
-    for c, h in headers.items():
-        pos = int(starts[c])
-        for s, length, o in h.runs:
-            if s not in (delta.LITERAL, delta.ZEROS) and h.sources[s] in slot:
-                k0 = -(-pos // PAGE)
-                k1 = min((pos + length) // PAGE, npages)
-                if k1 > k0:
-                    ks = np.arange(k0, k1, dtype=np.int64)
-                    page_src[k0:k1] = slot[h.sources[s]]
-                    page_off[k0:k1] = o + ks * PAGE - pos
-            pos += length

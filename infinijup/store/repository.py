@@ -336,8 +336,10 @@ class Repository:
         if not self.config.page_deltas:
             return None
         try:
-            ref = parents[0] if parents else (self._read_ref(thread)
-                                              if _valid_thread_name(thread) else None)
+            if parents is not None:  # explicit parents; [] = a root commit: no base
+                ref = parents[0] if parents else None
+            else:
+                ref = self._read_ref(thread) if _valid_thread_name(thread) else None
             return self.get_commit(ref).tree if ref else None
         except StoreError:
             return None

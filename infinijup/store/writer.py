@@ -55,6 +55,7 @@ from .basemap import BaseMap
 from .chunking import PAGE, Candidates, Splitter
 from .errors import InvalidTree, ObjectMissing, StoreError
 from .faults import crashpoint
+from .index import Location
 from .lock import FileLock
 from .objects import (
     BLOB,
@@ -472,15 +473,15 @@ class Writer:
         for k, oid in enumerate(ids):
             if oid in want and oid not in where:
                 where[oid] = k
-        cache: dict[int, bytes | None] = {}
+        cache: dict[bytes, bytes | None] = {}
 
-        def source(idx: int) -> bytes | None:
-            if idx not in cache:
+        def source(sid: bytes, loc: Location) -> bytes | None:
+            if sid not in cache:
                 try:
-                    cache[idx] = reader.read(bmap.src_ids[idx], bmap.src_locs[idx])
+                    cache[sid] = reader.read(sid, loc)
                 except StoreError:
-                    cache[idx] = None  # unreadable: its pages count as changed
-            return cache[idx]
+                    cache[sid] = None  # unreadable: its pages count as changed
+            return cache[sid]
 
         out: dict[bytes, bytes] = {}
         cctx = self._compressor()
@@ -489,9 +490,8 @@ class Writer:
                 continue
             k = where[oid]
             payload = None
-            for shift in bmap.shifts(ids, starts, ends, k):
-                payload = bmap.encode(chunks[k], starts[k], shift, source, cctx,
-                                      self._min_saving)
+            for place in bmap.places(ids, starts, ends, k):
+                payload = bmap.encode(chunks[k], place, source, cctx, self._min_saving)
                 if payload is not None:
                     out[oid] = payload
                     break
