@@ -6,10 +6,29 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 from kernelkit import needs_helper
 
 pytestmark = [needs_helper, __import__("pytest").mark.timeout(240)]
+
+EVENTS = "https://events.infinijup.dev/operation"
+
+
+async def until(predicate, what: str, timeout: float = 120.0) -> None:
+    """Wait for an event the test caused (the deadline only guards against a hang)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.005)
+
+
+async def wait_for(nb, expr: str, timeout: float = 120.0) -> None:
+    """Wait until ``expr`` is true in the kernel."""
+    deadline = time.monotonic() + timeout
+    while not await nb.value(expr):
+        assert time.monotonic() < deadline, f"timed out waiting for {expr}"
+        await asyncio.sleep(0.01)
 
 SETUP = """
 x = 1
@@ -68,6 +87,8 @@ async def test_snapshot_restore_branch_story(notebook, jp_fetch):
     assert snap_a["thread"] == "main" and snap_a["parents"] == []
     assert snap_a["stats"]["image_bytes"] > 80 * 2**20  # the 76 MiB array is in there
     draw_after_a = await nb.value("rng.random()")
+    await nb.execute("a[:1000] = -1.0")  # a change the restore must undo
+    assert await nb.value("hashlib.sha256(a.tobytes()).hexdigest()") != digest
     expected_unpicklable = await nb.value(CHECK_UNPICKLABLE.strip().removeprefix("print(repr(").removesuffix("))"))
     await nb.execute("x = 2")
     snap_b = await nb.snapshot(message="B")
@@ -85,8 +106,7 @@ async def test_snapshot_restore_branch_story(notebook, jp_fetch):
     # 5. The unpicklable state came back too (and the thread is running again).
     assert await nb.value(CHECK_UNPICKLABLE.strip().removeprefix("print(repr(").removesuffix("))")) == expected_unpicklable
     t0 = await nb.value("ticks[0]")
-    await asyncio.sleep(0.3)
-    assert await nb.value("ticks[0]") > t0
+    await wait_for(nb, f"ticks[0] > {t0}")
 
     # 4. From A: x = 3, snapshot C lands on a new thread; B is not lost.
     await nb.execute("x = 3")
@@ -98,7 +118,8 @@ async def test_snapshot_restore_branch_story(notebook, jp_fetch):
     assert hist["threads"]["main"] == snap_b["commit"]
     assert hist["threads"][snap_c["thread"]] == snap_c["commit"]
     assert ids[snap_b["commit"]]["parents"] == [a_id] == ids[snap_c["commit"]]["parents"]
-    assert hist["head"] == {"thread": snap_c["thread"], "commit": snap_c["commit"]}
+    assert hist["head"] == {"thread": snap_c["thread"], "commit": snap_c["commit"],
+                            "next_thread": snap_c["thread"]}
     assert "connection" not in ids[a_id]["metadata"]  # the kernel's key never leaves the server
 
     # Restoring B by thread name gives x == 2; the next snapshot goes on main again.
@@ -108,23 +129,46 @@ async def test_snapshot_restore_branch_story(notebook, jp_fetch):
     assert snap_d["thread"] == "main" and snap_d["parents"] == [snap_b["commit"]]
 
 
-async def test_snapshot_waits_for_a_running_cell(notebook):
+async def test_snapshot_waits_for_a_running_cell(notebook, jp_serverapp, tmp_path):
+    """A snapshot waits for the running cell (up to the busy timeout), then goes on, or
+    answers 409 leaving the cell alone. The cells wait for files the test writes."""
     nb = notebook
-    await nb.execute("import time")
-    # A cell that outlives the 2 s busy timeout: 409, and the cell is not cut.
-    long_cell = nb.send_execute("time.sleep(4); print('finished')")
-    await asyncio.sleep(0.3)
+    manager = jp_serverapp.web_app.settings["infinijup_manager"]
+    await nb.execute("import os, pathlib, time\n"
+                     "def gate(name):\n"
+                     f"    pathlib.Path({str(tmp_path)!r}, name + '.running').touch()\n"
+                     f"    while not os.path.exists(os.path.join({str(tmp_path)!r}, name)):\n"
+                     "        time.sleep(0.005)")
+    # A cell that outlives the busy timeout: 409, and the cell is not cut.
+    manager.busy_timeout = 2.0
+    long_cell = nb.send_execute("gate('long'); print('finished')")
+    await until(lambda: (tmp_path / "long.running").exists(), "the long cell to run")
     r = await nb.post("snapshot", {"kernel_id": nb.kernel_id})
     assert r.code == 409, r.body
     assert json.loads(r.body)["reason"] == "kernel_busy"
-    out = await nb.collect(long_cell, timeout=20)
+    (tmp_path / "long").touch()
+    out = await nb.collect(long_cell, timeout=120)
     assert out["stdout"] == "finished\n" and out["reply"]["status"] == "ok"
-    # A short cell: the snapshot waits for it, then succeeds.
-    short_cell = nb.send_execute("time.sleep(1); y = 42")
-    await asyncio.sleep(0.2)
-    snap = await nb.snapshot(message="after the cell")
-    await nb.collect(short_cell)
-    await nb.restore(snap["commit"])
+    # A cell within the busy timeout: the snapshot waits for it, then succeeds, with its
+    # result in the snapshot.
+    manager.busy_timeout = 120.0
+    short_cell = nb.send_execute("gate('short'); y = 42")
+    await until(lambda: (tmp_path / "short.running").exists(), "the short cell to run")
+    events = []
+
+    async def listener(logger, schema_id, data):
+        events.append(dict(data))
+
+    jp_serverapp.event_logger.add_listener(schema_id=EVENTS, listener=listener)
+    task = asyncio.ensure_future(nb.post("snapshot", {"kernel_id": nb.kernel_id}))
+    await until(lambda: any(e["phase"] == "quiesce" for e in events), "the snapshot to begin")
+    assert not task.done()  # waiting for the cell
+    (tmp_path / "short").touch()
+    r = await task
+    assert r.code == 201, r.body
+    await nb.collect(short_cell, timeout=120)
+    await nb.execute("y = 0")
+    await nb.restore(json.loads(r.body)["commit"])
     assert await nb.value("y") == 42
 
 
@@ -139,15 +183,17 @@ async def test_magics(notebook):
     await nb.execute("z = 'second'")
     out = await nb.execute(f"%restore {first[:12]}")
     assert "Restoring" in out["stdout"]
-    for _ in range(100):  # the restore starts once the %restore cell is done
-        await asyncio.sleep(0.1)
+    async def last_operation() -> dict:
         r = await nb.fetch("infinijup", "status", params={"kernel_id": nb.kernel_id})
-        last = json.loads(r.body)["last_operation"] or {}
-        if last.get("op") == "restore":
-            break
+        return json.loads(r.body)["last_operation"] or {}
+
+    deadline = time.monotonic() + 120  # the restore starts once the %restore cell is done
+    while (last := await last_operation()).get("op") != "restore":
+        assert time.monotonic() < deadline, last
+        await asyncio.sleep(0.05)
     assert last == {**last, "phase": "done", "commit": first}, last
     assert await nb.value("z") == "first"
-    out = await nb.execute("%history")
+    out = await nb.execute("%snapshots")
     assert first[:12] in out["stdout"] and "HEAD" in out["stdout"]
     out = await nb.execute("%branch side")
     assert "side" in out["stdout"]
@@ -180,14 +226,12 @@ async def test_progress_events_are_published(notebook, jp_serverapp):
     async def listener(logger, schema_id, data):
         seen.append(dict(data))
 
-    schema = "https://events.infinijup.dev/operation"
-    jp_serverapp.event_logger.add_listener(schema_id=schema, listener=listener)
+    jp_serverapp.event_logger.add_listener(schema_id=EVENTS, listener=listener)
     snap = await nb.snapshot(message="with events")
     await nb.restore(snap["commit"])
-    for _ in range(50):  # listeners run as tasks: let them drain
-        if any(e["op"] == "restore" and e["phase"] == "done" for e in seen):
-            break
-        await asyncio.sleep(0.05)
+    # listeners run as tasks: let them drain
+    await until(lambda: any(e["op"] == "restore" and e["phase"] == "done" for e in seen),
+                "the restore's last event")
     snap_phases = [e["phase"] for e in seen if e["op"] == "snapshot"]
     assert snap_phases[0] == "queued" and snap_phases[-1] == "done", snap_phases
     assert {"quiesce", "dump", "store"} <= set(snap_phases), snap_phases
@@ -230,7 +274,8 @@ async def test_history_and_restore_survive_a_kernel_restart(notebook):
     assert await nb.value("'kept' in globals()") is False
     hist = await nb.history()
     assert [c["id"] for c in hist["commits"]] == [a["commit"]]
-    assert hist["head"] == {"thread": "main", "commit": None}  # a fresh state, on main
+    # a fresh state, on main
+    assert hist["head"] == {"thread": "main", "commit": None, "next_thread": "main"}
     b = await nb.snapshot(message="after restart")
     assert b["thread"] == "main" and b["parents"] == [a["commit"]]
     await nb.restore(a["commit"])
