@@ -1,40 +1,108 @@
 """What the server calls inside the kernel, as a silent execute request.
 
 The server sends ``user_expressions`` that call :func:`quiesce` or :func:`resume`; the result is
-a JSON string, so the server needs nothing from IPython to read it.
+a JSON string, so the server needs nothing from IPython to read it. Nothing here may raise (an
+error in a user expression would set ``sys.last_*``) or write to the user's namespace.
 """
 
 from __future__ import annotations
 
 import json
 
-from . import hooks
+from . import describe, hooks, isolation
 
 
-def _execution_count() -> int | None:
+def _shell():
     try:
         from IPython import get_ipython
 
-        ip = get_ipython()
+        return get_ipython()
+    except Exception:
+        return None
+
+
+def _execution_count(ip) -> int | None:  # noqa: ANN001
+    try:
         return int(ip.execution_count) - 1 if ip is not None else None
     except Exception:
         return None
 
 
-def quiesce() -> str:
-    """Bring the kernel to a point safe to freeze; report its execution count."""
-    info = hooks.run_quiesce()
-    info["execution_count"] = _execution_count()
+def _answer(ip, info: dict) -> str:  # noqa: ANN001
+    info["execution_count"] = _execution_count(ip)
+    try:
+        isolation.put_back_last_result(ip)
+    except Exception:
+        pass
     return json.dumps(info)
+
+
+def quiesce() -> str:
+    """Bring the kernel to a point safe to freeze; report its last cell and its variables."""
+    ip = _shell()
+    try:
+        info = hooks.run_quiesce()
+    except Exception as exc:
+        info = {"hook_errors": [str(exc)]}
+    if ip is not None:
+        try:
+            info.update(describe.describe(ip))
+        except Exception as exc:
+            info["describe_error"] = f"{type(exc).__name__}: {exc}"
+    return _answer(ip, info)
 
 
 def resume(restored: bool = False) -> str:
-    info = hooks.run_resume(bool(restored))
-    info["execution_count"] = _execution_count()
-    return json.dumps(info)
+    ip = _shell()
+    try:
+        info = hooks.run_resume(bool(restored))
+    except Exception as exc:
+        info = {"hook_errors": [str(exc)]}
+    describe.committed()
+    return _answer(ip, info)
+
+
+def forget() -> str:
+    """The snapshot quiesced for was not committed: keep the parent's fingerprints."""
+    ip = _shell()
+    describe.forget()
+    return _answer(ip, {})
 
 
 def expression(name: str, *args: object) -> str:
     """The user expression that calls ``name(*args)`` in this module (for the server)."""
     call_args = ", ".join(repr(a) for a in args)
     return f"__import__('infinijup.kernel_magics.agent', fromlist=['_']).{name}({call_args})"
+
+
+def _clean_item(item: object) -> dict | None:
+    if not isinstance(item, dict):
+        return None
+    name, kind, size, shape, fp = (item.get(k) for k in ("name", "type", "size", "shape", "fp"))
+    if not (isinstance(name, str) and isinstance(kind, str) and isinstance(fp, str)):
+        return None
+    return {"name": name[:200], "type": kind[:200],
+            "size": size if type(size) is int and size >= 0 else 0,
+            "shape": shape[:200] if isinstance(shape, str) else None,
+            "fp": fp[:64], "changed": bool(item.get("changed", True))}
+
+
+def commit_metadata(info: object) -> dict:
+    """For the server: the commit metadata from a kernel's description (``quiesce``'s answer or
+    the body of ``%snapshot``'s request), checked field by field since a kernel sent it:
+    ``{"cell": ..., "variables": ...}``, each only when present and well formed."""
+    out: dict = {}
+    if not isinstance(info, dict):
+        return out
+    cell = info.get("cell")
+    if isinstance(cell, dict):
+        count, source = cell.get("execution_count"), cell.get("source")
+        out["cell"] = {"execution_count": count if type(count) is int else None,
+                       "source": source[:describe.MAX_SOURCE] if isinstance(source, str) else ""}
+    variables = info.get("variables")
+    if isinstance(variables, dict) and isinstance(variables.get("items"), list):
+        raw = variables["items"]
+        items = [it for it in map(_clean_item, raw[:describe.MAX_ITEMS]) if it is not None]
+        out["variables"] = {"items": items,
+                            "truncated": bool(variables.get("truncated")) or len(raw) > len(items)}
+    return out

@@ -1,4 +1,4 @@
-"""The history DAG as text, like ``git log --graph``: used by ``%history``."""
+"""The history DAG as text, like ``git log --graph``: used by ``%snapshots``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,14 @@ def _size(n: int | None) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
+
+
+def cell_label(cell: Mapping | None) -> str:
+    """``[N] first line`` of the cell behind a commit (its label when it has no message)."""
+    if not isinstance(cell, Mapping) or not cell.get("source"):
+        return ""
+    count = cell.get("execution_count")
+    return f"[{count}] {cell['source']}" if count is not None else str(cell["source"])
 
 
 def render_history(
@@ -41,11 +49,12 @@ def render_history(
         stats = c.get("stats") or {}
         gpu = " [GPU]" if (c.get("metadata") or {}).get("gpu") else ""
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.get("created", 0)))
-        msg = c.get("message") or ""
+        msg = c.get("message") or cell_label((c.get("metadata") or {}).get("cell"))
         lines.append(
             f"{graph}  {cid[:12]}{tag_text}{gpu} {when} {_size(stats.get('stored_bytes'))}"
             + (f"  {msg}" if msg else "")
         )
+        before = list(lanes)
         parents = list(c.get("parents") or [])
         if parents:
             lanes[col] = parents[0]
@@ -53,7 +62,40 @@ def render_history(
                 if p not in lanes:
                     lanes.append(p)
         else:
-            lanes.pop(col)
+            lanes[col] = ""  # the lane ends here
         seen: set[str] = set()
-        lanes = [x for x in lanes if not (x in seen or seen.add(x))]
+        lanes = [x for x in lanes if x and not (x in seen or seen.add(x))]
+        connector = _connector(before, lanes, col, parents)
+        if connector:
+            lines.append(connector)
     return "\n".join(lines)
+
+
+def _connector(before: list[str], after: list[str], col: int, parents: list[str]) -> str:
+    """The line under a commit where lanes join, fork or shift, as ``git log --graph`` draws:
+    ``|/`` where a branch meets its fork point, ``|\\`` where a merge opens a lane."""
+    width = 2 * max(len(before), len(after)) - 1
+    cells = [" "] * max(width, 1)
+    moved = False
+    for k, lane in enumerate(before):
+        target = parents[0] if k == col and parents else lane
+        if k == col and not parents:
+            continue  # a root: its lane stops
+        t = after.index(target) if target in after else k
+        if t == k:
+            cells[2 * k] = "|"
+        elif t < k:  # this lane joins (or shifts onto) one to its left
+            moved = True
+            cells[2 * k - 1] = "/"
+            for j in range(2 * t + 1, 2 * k - 1, 2):
+                if cells[j] == " ":
+                    cells[j] = "_"
+        else:  # pushed right (a merge opened lanes before it)
+            moved = True
+            cells[2 * k + 1] = "\\"
+    for p in parents[1:]:  # each other parent of a merge gets a lane from this commit
+        t = after.index(p)
+        if t > col:
+            moved = True
+            cells[2 * t - 1] = "\\"
+    return "".join(cells).rstrip() if moved else ""

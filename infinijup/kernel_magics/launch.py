@@ -15,6 +15,10 @@ def main() -> None:
     os.environ.pop("JPY_PARENT_PID", None)
     from ipykernel import kernelapp
 
+    from .isolation import install
+
+    install()  # the kernel's own random draws (banner tips...) stay off the user's `random`
+
     argv = sys.argv[1:]
     if not any(a.startswith("--ext") for a in argv):
         argv = [*argv, "--ext=infinijup.kernel_magics"]

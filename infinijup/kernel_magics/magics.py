@@ -1,4 +1,9 @@
-"""``%snapshot``, ``%restore``, ``%history`` and ``%branch``: Infinijup from inside a notebook."""
+"""``%snapshot``, ``%restore``, ``%snapshots`` and ``%branch``: Infinijup from inside a notebook.
+
+A magic that fails raises :class:`MagicError`: the cell fails (``execute_reply`` status
+"error", the notebook shows the message as an error) and "Run All" stops there.
+``%snapshots`` is named apart from IPython's ``%history``, which it must not shadow.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +13,25 @@ import uuid
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from . import hooks
+from ..errors import InfinijupError
+from . import describe, hooks
 from .graph import _size, render_history
 from .server_client import ServerError, kernel_id, request, wait_result
 
 SNAPSHOT_TIMEOUT_S = 3600.0
+
+__all__ = ["InfinijupMagics", "MagicError"]
+
+
+class MagicError(InfinijupError):
+    """A magic that failed; shown as a one-line error (no traceback through IPython)."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self} ({self.reason})"]
+
+
+def _failed(what: str, err: ServerError | InfinijupError) -> MagicError:
+    return MagicError(f"{what} failed: {err}", reason=getattr(err, "reason", "error"))
 
 
 def parse_argstring(magic, line: str):
@@ -26,35 +45,43 @@ class InfinijupMagics(Magics):
     @argument("-m", "--message", default="", help="a message for the snapshot")
     @argument("-t", "--thread", default=None, help="the thread to put the snapshot on")
     @line_magic
-    def snapshot(self, line: str) -> str | None:
+    def snapshot(self, line: str) -> None:
         """Snapshot this kernel, whole: ``%snapshot [-m MESSAGE] [-t THREAD]``."""
         args = parse_argstring(self.snapshot, line)
+        described = False
         try:
             hooks.run_quiesce()
             request_id = uuid.uuid4().hex
             body = {
                 "kernel_id": kernel_id(), "message": args.message, "from_kernel": True,
-                "request_id": request_id, "execution_count": self.shell.execution_count,
+                # the running cell's number (IPython has already moved the count past it)
+                "request_id": request_id, "execution_count": self.shell.execution_count - 1,
             }
+            try:
+                body["metadata"] = describe.describe(self.shell)
+                described = True
+            except Exception:  # a commit without a description rather than no commit
+                pass
             if args.thread:
                 body["thread"] = args.thread
             request("POST", "/infinijup/snapshot", body)
             result = wait_result(request_id, SNAPSHOT_TIMEOUT_S)
+            if "error" in result:
+                err = result["error"]
+                raise ServerError(0, err.get("message", "unknown error"), err.get("reason", "error"))
         except ServerError as err:
-            print(f"Snapshot failed: {err}")
-            return None
+            if described:
+                describe.forget()
+            raise _failed("Snapshot", err) from None
         finally:
             hooks.run_resume(False)
-        if "error" in result:
-            print(f"Snapshot failed: {result['error']['message']}")
-            return None
+        describe.committed()
         stats = result.get("stats", {})
         print(
             f"Snapshot {result['commit'][:12]} on thread '{result['thread']}' "
             f"({_size(stats.get('image_bytes'))} image, {_size(stats.get('stored_bytes'))} new, "
             f"paused {stats.get('pause_s', 0):.2f} s)"
         )
-        return None
 
     @magic_arguments()
     @argument("ref", help="commit id, unique prefix (8+ hex digits) or thread name")
@@ -66,25 +93,22 @@ class InfinijupMagics(Magics):
         The restore starts once this cell has finished; the next cell runs in the restored state.
         """
         args = parse_argstring(self.restore, line)
-        body = {"kernel_id": None, "commit": args.ref, "from_kernel": True}
-        if args.branch:
-            body["branch"] = args.branch
         try:
-            body["kernel_id"] = kernel_id()
-            request("POST", "/infinijup/restore", body)
+            _restore(args.ref, args.branch)
         except ServerError as err:
-            print(f"Restore failed: {err}")
-            return
+            raise _failed("Restore", err) from None
         print(f"Restoring {args.ref}: the next cell runs in the restored state.")
 
     @line_magic
-    def history(self, line: str) -> None:
-        """Show this notebook's snapshots as a graph: ``%history``."""
+    def snapshots(self, line: str) -> None:
+        """Show this notebook's snapshots as a graph: ``%snapshots``."""
+        if line.strip():
+            raise MagicError(f"%snapshots takes no arguments (got {line.strip()!r})",
+                             reason="bad_request")
         try:
             data = request("GET", f"/infinijup/history?kernel_id={kernel_id()}")
         except ServerError as err:
-            print(f"History unavailable: {err}")
-            return
+            raise _failed("Listing snapshots", err) from None
         print(render_history(data["commits"], data["threads"], data.get("head")))
 
     @magic_arguments()
@@ -96,12 +120,22 @@ class InfinijupMagics(Magics):
         args = parse_argstring(self.branch, line)
         try:
             if args.ref:
-                request("POST", "/infinijup/restore", {
-                    "kernel_id": kernel_id(), "commit": args.ref, "branch": args.name,
-                    "from_kernel": True})
+                _restore(args.ref, args.name)
                 print(f"Restoring {args.ref} on new thread '{args.name}': the next cell runs there.")
             else:
                 out = request("POST", "/infinijup/branch", {"kernel_id": kernel_id(), "name": args.name})
                 print(f"Next snapshots go to thread '{out['thread']}'.")
         except ServerError as err:
-            print(f"Branch failed: {err}")
+            raise _failed("Branch", err) from None
+
+
+def _restore(ref: str, branch: str | None) -> None:
+    kid = kernel_id()
+    if branch is not None:  # refused now, not after this cell, when the next one already runs
+        threads = request("GET", f"/infinijup/history?kernel_id={kid}").get("threads") or {}
+        if branch in threads:
+            raise ServerError(409, f"thread '{branch}' already exists", "thread_exists")
+    body = {"kernel_id": kid, "commit": ref, "from_kernel": True}
+    if branch is not None:
+        body["branch"] = branch
+    request("POST", "/infinijup/restore", body)

@@ -89,7 +89,7 @@ class Notebook:
 
     async def collect(self, msg_id: str, timeout: float = 30) -> dict:
         """Outputs of one execute request: stdout text, result, reply, once idle again."""
-        out = {"stdout": "", "result": None, "reply": None, "error": None}
+        out = {"stdout": "", "stderr": "", "result": None, "reply": None, "error": None}
         idle = False
         deadline = time.monotonic() + timeout
         import asyncio
@@ -104,13 +104,13 @@ class Notebook:
             if msg.get("parent_header", {}).get("msg_id") != msg_id:
                 continue
             kind, content = msg["msg_type"], msg["content"]
-            if kind == "stream" and content["name"] == "stdout":
-                out["stdout"] += content["text"]
+            if kind == "stream":
+                out[content["name"]] += content["text"]
             elif kind == "execute_result":
                 out["result"] = content["data"].get("text/plain")
             elif kind == "error":
                 out["error"] = f"{content['ename']}: {content['evalue']}"
-            elif kind == "execute_reply":
+            elif kind.endswith("_reply"):
                 out["reply"] = content
             elif kind == "status" and content["execution_state"] == "idle":
                 idle = True
@@ -120,6 +120,16 @@ class Notebook:
         out = await self.collect(self.send_execute(code), timeout)
         assert out["error"] is None, out["error"]
         return out
+
+    async def reconnect(self) -> None:
+        """What a browser tab reload does: a new websocket (new client session), kernel_info."""
+        self.ws.close()
+        self.session = uuid.uuid4().hex
+        self.ws = await self.ws_fetch("api", "kernels", self.kernel_id, "channels",
+                                      params={"session_id": self.session})
+        msg = self._msg("kernel_info_request", {})
+        self.ws.write_message(json.dumps(msg))
+        await self.collect(msg["header"]["msg_id"])
 
     async def value(self, expr: str):
         out = await self.execute(f"print(repr({expr}))")

@@ -1,0 +1,254 @@
+"""What a snapshot says about the kernel it saved: the last cell and the user's variables.
+
+Computed in the kernel just before the dump, cheaply: nothing is pickled or copied beyond
+small buffers, and the user's objects are only looked at (type, size, shape, identity, the bytes
+of small arrays). The result goes into the commit's metadata::
+
+    "cell": {"execution_count": int | None, "source": "<first line, <= 200 chars>"}
+    "variables": {"items": [{"name", "type", "size", "shape", "fp", "changed"}], "truncated"}
+
+``fp`` is a change fingerprint: equal fingerprints mean "treat as unchanged". It hashes the
+bytes of small arrays, strings and bytes (and samples of large contiguous arrays), the identity
+of the elements of small containers, a tensor's storage and version counter, and otherwise the
+object's identity. ``changed`` compares with the fingerprints of this kernel's previous snapshot,
+kept here: a kernel restored from a snapshot holds the fingerprints of that very snapshot, which
+is the parent of its next one.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import sys
+import types
+
+MAX_ITEMS = 500  # variables listed in a commit
+MAX_NAMES = 10_000  # names looked at, at most
+MAX_SOURCE = 200
+FULL_HASH_BYTES = 1 << 20  # buffers up to this size are hashed whole
+SAMPLE_BLOCKS, SAMPLE_BLOCK = 16, 4096  # larger contiguous buffers: this many blocks of this size
+HASH_BUDGET = 32 << 20  # bytes hashed per snapshot, at most; past it, identity only
+MAX_ELEMENTS = 1000  # containers up to this length fingerprint their elements' identities
+
+# IPython's own names in the user namespace (also excluded when the user rebinds them).
+_IPYTHON_NAMES = frozenset({"In", "Out", "exit", "quit", "get_ipython"})
+_SIZED = (list, tuple, dict, set, frozenset, collections.OrderedDict, collections.defaultdict,
+          collections.deque, collections.Counter)
+_IMMUTABLE_CONTAINERS = (tuple, frozenset)
+
+_parent_fps: dict[str, str] = {}  # name -> fp at this kernel's last snapshot
+_rollback: dict[str, str] | None = None  # the fps before the snapshot now in flight
+
+
+def first_line(source: str) -> str:
+    for line in (source or "").splitlines():
+        if line.strip():
+            return line.rstrip()[:MAX_SOURCE]
+    return ""
+
+
+def describe(ip) -> dict:  # noqa: ANN001 - IPython's shell
+    """``{"cell", "variables"}`` for a snapshot taken now; the fingerprints become the parent's.
+
+    The cell is the last one IPython stored: from ``%snapshot``, the running cell itself (IPython
+    stores a cell and moves ``execution_count`` past it before running it).
+    """
+    global _parent_fps, _rollback
+    count = int(ip.execution_count) - 1
+    hist = ip.history_manager.input_hist_raw if ip.history_manager is not None else []
+    cell = {"execution_count": count if count > 0 else None,
+            "source": first_line(hist[-1]) if len(hist) > 1 and count > 0 else ""}
+    items, fps, truncated = _variables(ip)
+    _rollback, _parent_fps = _parent_fps, fps
+    return {"cell": cell, "variables": {"items": items, "truncated": truncated}}
+
+
+def forget() -> None:
+    """The snapshot just described was not committed: its parent's fingerprints stay."""
+    global _parent_fps, _rollback
+    if _rollback is not None:
+        _parent_fps, _rollback = _rollback, None
+
+
+def committed() -> None:
+    global _rollback
+    _rollback = None
+
+
+def _user_variables(ip) -> list[tuple[str, object]]:  # noqa: ANN001
+    hidden = ip.user_ns_hidden
+    missing = object()
+    out = []
+    for name, value in list(ip.user_ns.items()):
+        if type(name) is not str or name.startswith("_") or name in _IPYTHON_NAMES:
+            continue
+        if hidden.get(name, missing) is value or issubclass(type(value), types.ModuleType):
+            continue
+        out.append((name, value))
+    out.sort(key=lambda nv: nv[0])
+    return out
+
+
+def _variables(ip) -> tuple[list[dict], dict[str, str], bool]:  # noqa: ANN001
+    pairs = _user_variables(ip)
+    truncated = len(pairs) > MAX_NAMES
+    libs = _Libraries()
+    budget = [HASH_BUDGET]
+    items, fps = [], {}
+    for name, value in pairs[:MAX_NAMES]:
+        item = _describe_value(name, value, libs, budget)
+        item["changed"] = _parent_fps.get(name) != item["fp"]
+        fps[name] = item["fp"]
+        items.append(item)
+    if len(items) > MAX_ITEMS:  # keep what changed first, then the rest by name
+        truncated = True
+        keep = sorted(items, key=lambda it: not it["changed"])[:MAX_ITEMS]
+        items = sorted(keep, key=lambda it: it["name"])
+    return items, fps, truncated
+
+
+class _Libraries:
+    """The array libraries the user has imported (never imported by us)."""
+
+    def __init__(self) -> None:
+        np, torch, pd = (sys.modules.get(m) for m in ("numpy", "torch", "pandas"))
+        self.ndarray = getattr(np, "ndarray", None)
+        self.tensor = getattr(torch, "Tensor", None)
+        self.frame = getattr(pd, "DataFrame", None)
+        self.series = getattr(pd, "Series", None)
+        self.np = np
+
+
+def _is(t: type, cls: type | None) -> bool:
+    return cls is not None and issubclass(t, cls)
+
+
+def _describe_value(name: str, value: object, libs: _Libraries, budget: list[int]) -> dict:
+    t = type(value)
+    try:
+        size, shape, fp = _measure(value, t, libs, budget)
+    except Exception:  # an odd object: identity alone
+        size, shape, fp = _object_size(value, t), None, _digest(t, b"id", id(value))
+    return {"name": name, "type": t.__name__, "size": int(size), "shape": shape, "fp": fp}
+
+
+def _measure(value: object, t: type, libs: _Libraries, budget: list[int]):
+    if _is(t, libs.ndarray):
+        return int(value.nbytes), str(value.shape), _array_fp(value, t, libs, budget)
+    if _is(t, libs.tensor):
+        size = value.element_size() * value.nelement()
+        shape = tuple(value.shape)
+        fp = _digest(t, id(value), value.data_ptr(), value._version, shape, str(value.dtype),
+                     str(value.device))
+        return size, str(shape), fp
+    if _is(t, libs.frame) or _is(t, libs.series):
+        usage = value.memory_usage(index=True, deep=False)
+        size = int(usage.sum()) if _is(t, libs.frame) else int(usage)
+        fp = _digest(t, id(value), value.shape, size)
+        return size, str(value.shape), fp
+    if t is bool or t is int:
+        return sys.getsizeof(value), None, _digest(t, hash(value), value.bit_length())
+    if t is float or t is complex or value is None:
+        return sys.getsizeof(value), None, _digest(t, repr(value))
+    if t is str:
+        data = value.encode("utf-8", "surrogatepass") if len(value) <= FULL_HASH_BYTES else None
+        return sys.getsizeof(value), None, _buffer_fp(t, value, data, budget)
+    if t is bytes or t is bytearray:
+        return sys.getsizeof(value), None, _buffer_fp(t, value, memoryview(value), budget)
+    if t in _SIZED:
+        n = len(value)
+        shape = f"len {n}"
+        if n > MAX_ELEMENTS:
+            return sys.getsizeof(value), shape, _digest(t, id(value), n)
+        if issubclass(t, dict):
+            ids = [id(x) for kv in list(value.items()) for x in kv]
+        else:
+            ids = [id(x) for x in list(value)]
+        own = () if t in _IMMUTABLE_CONTAINERS else (id(value),)
+        return sys.getsizeof(value), shape, _digest(t, n, *own, *ids)
+    return _object_size(value, t), None, _object_fp(value, t)
+
+
+def _digest(t: type, *parts: object) -> str:
+    h = hashlib.blake2b(digest_size=8)
+    h.update(f"{t.__module__}.{t.__qualname__}".encode())
+    for part in parts:
+        h.update(b"\0" + (part if isinstance(part, bytes) else repr(part).encode()))
+    return h.hexdigest()
+
+
+def _buffer_fp(t: type, value: object, data, budget: list[int]) -> str:  # noqa: ANN001
+    """Whole small buffers by content; larger ones by identity, length and sampled blocks."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(f"{t.__module__}.{t.__qualname__}".encode())
+    n = len(data) if data is not None else -1
+    if data is not None and n <= FULL_HASH_BYTES and n <= budget[0]:
+        budget[0] -= n
+        h.update(b"content\0")
+        h.update(data)
+        return h.hexdigest()
+    h.update(repr(("id", id(value), len(value))).encode())
+    if data is not None:
+        _sample_into(h, data, budget)
+    return h.hexdigest()
+
+
+def _sample_into(h, data, budget: list[int]) -> None:  # noqa: ANN001
+    n = len(data)
+    if n < SAMPLE_BLOCKS * SAMPLE_BLOCK or budget[0] < SAMPLE_BLOCKS * SAMPLE_BLOCK:
+        return
+    budget[0] -= SAMPLE_BLOCKS * SAMPLE_BLOCK
+    step = (n - SAMPLE_BLOCK) // (SAMPLE_BLOCKS - 1)
+    for i in range(SAMPLE_BLOCKS):
+        h.update(data[i * step:i * step + SAMPLE_BLOCK])
+
+
+def _array_fp(a, t: type, libs: _Libraries, budget: list[int]) -> str:  # noqa: ANN001
+    np = libs.np
+    head = (a.dtype.str, a.shape)
+    if a.dtype.hasobject:
+        if a.size <= MAX_ELEMENTS:
+            return _digest(t, *head, "objects", *(id(x) for x in a.ravel(order="K").tolist()))
+        return _digest(t, *head, "id", id(a))
+    if a.flags.c_contiguous or a.flags.f_contiguous:
+        flat = a.reshape(-1, order="A").view(np.uint8)
+    elif a.nbytes <= FULL_HASH_BYTES and a.nbytes <= budget[0]:
+        flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    else:
+        return _digest(t, *head, "id", id(a), a.__array_interface__["data"][0], a.strides)
+    h = hashlib.blake2b(digest_size=8)
+    h.update(repr((t.__module__, t.__qualname__, *head)).encode())
+    n = flat.nbytes
+    if n <= FULL_HASH_BYTES and n <= budget[0]:
+        budget[0] -= n
+        h.update(b"content\0")
+        h.update(flat)
+    else:
+        h.update(repr(("id", id(a), a.__array_interface__["data"][0], a.strides)).encode())
+        _sample_into(h, flat, budget)
+    return h.hexdigest()
+
+
+def _object_fp(value: object, t: type) -> str:
+    """Identity, and the identity of each attribute value of small instance dicts."""
+    try:
+        attrs = object.__getattribute__(value, "__dict__")
+    except Exception:
+        attrs = None
+    if type(attrs) is dict and len(attrs) <= MAX_ELEMENTS:
+        return _digest(t, id(value), *(id(x) for kv in list(attrs.items()) for x in kv))
+    return _digest(t, id(value))
+
+
+def _object_size(value: object, t: type) -> int:
+    """``sys.getsizeof``, unless ``__sizeof__`` is Python code of the user's (not run)."""
+    for klass in t.__mro__:
+        sizeof = vars(klass).get("__sizeof__")
+        if sizeof is not None:
+            if isinstance(sizeof, types.FunctionType):
+                return object.__sizeof__(value)
+            break
+    try:
+        return sys.getsizeof(value)
+    except Exception:
+        return object.__sizeof__(value)
