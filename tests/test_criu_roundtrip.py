@@ -43,7 +43,7 @@ with open(out_path, "a", buffering=1) as out:
 """
 
 
-def _wait_lines(path: Path, n: int, timeout: float = 30) -> list[str]:
+def _wait_lines(path: Path, n: int, timeout: float = 120) -> list[str]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         lines = path.read_text().splitlines() if path.exists() else []
@@ -96,7 +96,7 @@ def test_dump_restore_continues_identically(tmp_path: Path) -> None:
     image_bytes = sum(p.stat().st_size for p in images.iterdir())
     assert image_bytes > 300 * 2**20, image_bytes
     # Dumped without --leave-running, the process is gone; reap it so its pid is free again.
-    assert proc.wait(timeout=10) == -signal.SIGKILL
+    assert proc.wait(timeout=120) == -signal.SIGKILL
 
     restore = _criu("restore", "-D", str(images), "-o", "restore.log", "--shell-job",
                     "--restore-detached")
