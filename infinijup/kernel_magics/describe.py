@@ -8,9 +8,10 @@ of small arrays). The result goes into the commit's metadata::
     "variables": {"items": [{"name", "type", "size", "shape", "fp", "changed"}], "truncated"}
 
 ``fp`` is a change fingerprint: equal fingerprints mean "treat as unchanged". It hashes the
-bytes of small arrays, strings and bytes (and samples of large contiguous arrays), the identity
-of the elements of small containers, a tensor's storage and version counter, and otherwise the
-object's identity. ``changed`` compares with the fingerprints of this kernel's previous snapshot,
+bytes of small arrays, strings and bytes (and samples of large contiguous arrays), the columns
+of small pandas objects, the elements of small containers (small numbers and strings by value,
+others by identity), a tensor's storage and version counter, and otherwise the object's
+identity and the identities of its attributes. ``changed`` compares with the fingerprints of this kernel's previous snapshot,
 kept here: a kernel restored from a snapshot holds the fingerprints of that very snapshot, which
 is the parent of its next one.
 """
@@ -34,7 +35,6 @@ MAX_ELEMENTS = 1000  # containers up to this length fingerprint their elements' 
 _IPYTHON_NAMES = frozenset({"In", "Out", "exit", "quit", "get_ipython"})
 _SIZED = (list, tuple, dict, set, frozenset, collections.OrderedDict, collections.defaultdict,
           collections.deque, collections.Counter)
-_IMMUTABLE_CONTAINERS = (tuple, frozenset)
 
 _parent_fps: dict[str, str] = {}  # name -> fp at this kernel's last snapshot
 _rollback: dict[str, str] | None = None  # the fps before the snapshot now in flight
@@ -144,8 +144,7 @@ def _measure(value: object, t: type, libs: _Libraries, budget: list[int]):
     if _is(t, libs.frame) or _is(t, libs.series):
         usage = value.memory_usage(index=True, deep=False)
         size = int(usage.sum()) if _is(t, libs.frame) else int(usage)
-        fp = _digest(t, id(value), value.shape, size)
-        return size, str(value.shape), fp
+        return size, str(value.shape), _frame_fp(value, t, size, libs, budget)
     if t is bool or t is int:
         return sys.getsizeof(value), None, _digest(t, hash(value), value.bit_length())
     if t is float or t is complex or value is None:
@@ -161,12 +160,37 @@ def _measure(value: object, t: type, libs: _Libraries, budget: list[int]):
         if n > MAX_ELEMENTS:
             return sys.getsizeof(value), shape, _digest(t, id(value), n)
         if issubclass(t, dict):
-            ids = [id(x) for kv in list(value.items()) for x in kv]
+            keys = [_element(x) for kv in list(value.items()) for x in kv]
         else:
-            ids = [id(x) for x in list(value)]
-        own = () if t in _IMMUTABLE_CONTAINERS else (id(value),)
-        return sys.getsizeof(value), shape, _digest(t, n, *own, *ids)
+            keys = [_element(x) for x in list(value)]
+        return sys.getsizeof(value), shape, _digest(t, n, *keys)
     return _object_size(value, t), None, _object_fp(value, t)
+
+
+def _element(x: object) -> object:
+    """An element of a small container: small immutable values by value, others by identity."""
+    t = type(x)
+    if t is int or t is bool:
+        return (t.__name__, hash(x), x.bit_length())
+    if t is float or t is complex or x is None:
+        return repr(x)
+    if t is str and len(x) <= 256:
+        return ("str", x)
+    return ("id", id(x))
+
+
+def _frame_fp(value, t: type, size: int, libs: _Libraries, budget: list[int]) -> str:  # noqa: ANN001
+    """A pandas object: its columns' values when small, else its identity and shape."""
+    if size > FULL_HASH_BYTES or size > budget[0]:
+        return _digest(t, id(value), value.shape, size)
+    columns = [value] if _is(t, libs.series) else \
+        [value.iloc[:, i] for i in range(value.shape[1])]
+    parts = [value.shape, _array_fp(value.index.to_numpy(), libs.ndarray, libs, budget)]
+    if not _is(t, libs.series):
+        parts.append([str(c) for c in value.columns])
+    for col in columns:
+        parts.append((str(col.dtype), _array_fp(col.to_numpy(), libs.ndarray, libs, budget)))
+    return _digest(t, *parts)
 
 
 def _digest(t: type, *parts: object) -> str:
@@ -208,7 +232,7 @@ def _array_fp(a, t: type, libs: _Libraries, budget: list[int]) -> str:  # noqa: 
     head = (a.dtype.str, a.shape)
     if a.dtype.hasobject:
         if a.size <= MAX_ELEMENTS:
-            return _digest(t, *head, "objects", *(id(x) for x in a.ravel(order="K").tolist()))
+            return _digest(t, *head, "objects", *map(_element, a.ravel(order="K").tolist()))
         return _digest(t, *head, "id", id(a))
     if a.flags.c_contiguous or a.flags.f_contiguous:
         flat = a.reshape(-1, order="A").view(np.uint8)
@@ -236,7 +260,7 @@ def _object_fp(value: object, t: type) -> str:
     except Exception:
         attrs = None
     if type(attrs) is dict and len(attrs) <= MAX_ELEMENTS:
-        return _digest(t, id(value), *(id(x) for kv in list(attrs.items()) for x in kv))
+        return _digest(t, id(value), *(_element(x) for kv in list(attrs.items()) for x in kv))
     return _digest(t, id(value))
 
 

@@ -130,12 +130,9 @@ class InfinijupMagics(Magics):
 
 
 def _restore(ref: str, branch: str | None) -> None:
-    kid = kernel_id()
-    if branch is not None:  # refused now, not after this cell, when the next one already runs
-        threads = request("GET", f"/infinijup/history?kernel_id={kid}").get("threads") or {}
-        if branch in threads:
-            raise ServerError(409, f"thread '{branch}' already exists", "thread_exists")
-    body = {"kernel_id": kid, "commit": ref, "from_kernel": True}
+    """Ask for a restore once this cell is done; the server refuses now what it would refuse
+    then (unknown commit, a thread that exists, other GPUs), so that this cell fails."""
+    body = {"kernel_id": kernel_id(), "commit": ref, "from_kernel": True}
     if branch is not None:
         body["branch"] = branch
     request("POST", "/infinijup/restore", body)

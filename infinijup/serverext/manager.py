@@ -422,6 +422,16 @@ class SnapshotManager(LoggingConfigurable):
         self._provisioner(km)
         path = await self._path(kernel_id)
         commit_id = await asyncio.to_thread(self._resolve, notebook_key(path), ref)
+        # What restore() would refuse, refused now: the %restore cell fails, not the next one.
+        if branch is not None:
+            check_thread_name(branch)
+            threads = notebook_threads(await asyncio.to_thread(self.repo().threads),
+                                       notebook_key(path))
+            if branch in threads:
+                raise Conflict(f"thread '{branch}' already exists", reason="thread_exists")
+        meta = (await asyncio.to_thread(self.repo().get_commit, commit_id)).metadata or {}
+        plan_retarget(meta.get("connection") or {}, self._connection(km))
+        await asyncio.to_thread(plan_gpu_restore, meta)
 
         async def run() -> None:
             await asyncio.sleep(0.05)

@@ -112,6 +112,7 @@ async def test_failing_magics_fail_the_cell(notebook):
     await _fails(nb, "%branch side", "thread_exists")
     await _fails(nb, f"%restore {commit[:12]} -b side", "thread_exists")
     await _fails(nb, f"%branch main {commit[:12]}", "thread_exists")
+    await _fails(nb, f"%restore {commit[:12]} -b ../bad", "bad_thread_name")
     # Nothing of that moved the kernel: no restore ran, and the last good cell's state is here.
     assert await nb.value("kept") == "state"
     r = await nb.fetch("infinijup", "status", params={"kernel_id": nb.kernel_id})
