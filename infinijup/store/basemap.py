@@ -3,7 +3,8 @@
 A snapshot's ``pages-*.img`` is mostly its parent's: CDC finds the unchanged chunks by id,
 and a chunk with a few changed pages is new. For such a chunk, the nearest unchanged chunk
 before (or after) it in the same job says where it lies in the parent file: right after
-(before) that chunk's place there. ``BaseMap.encode`` compares each page of the new chunk
+(before) that chunk's place there; with no unchanged chunk near, the same offset in the
+parent. ``BaseMap.encode`` compares each page of the new chunk
 with the parent's page at that place and, if at most half of the chunk is new bytes,
 returns its delta payload (delta.py): the matching pages as runs of parent chunks, the rest
 as literals.
@@ -18,6 +19,7 @@ new chunks.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -36,6 +38,8 @@ if TYPE_CHECKING:
     from .repository import Repository
 
 NEIGHBOURS = 8  # chunks looked at on each side of a new chunk for an unchanged one
+PREFETCH = 32  # parent chunks whose locations are looked up together
+_ZERO_PAGE = bytes(PAGE)
 # When the file has little in common with its parent, trying costs reads for nothing: after
 # TRIAL attempts, if fewer than 1 in HIT_RATE succeed, only every SPARSE-th chunk is tried.
 TRIAL, HIT_RATE, SPARSE = 64, 8, 16
@@ -62,6 +66,8 @@ class BaseMap:
         self.anchors = anchors
         self._locs: dict[bytes, Location | None] = {}
         self._headers: dict[bytes, delta.Delta | None] = {}
+        self._ends_cache: np.ndarray | bool | None = None
+        self._ends_lock = threading.Lock()
         self.tried = 0
         self.hits = 0
         self.skipped = 0
@@ -104,7 +110,27 @@ class BaseMap:
             if a is not None:
                 out.append((a, starts[i] - starts[j]))
                 break
+        if not out:  # everything around changed: try the same offset in the parent
+            ends_parent = self._ends()
+            if ends_parent is not None:
+                j = int(np.searchsorted(ends_parent, starts[i], side="right"))
+                if j < len(self.ids):
+                    out.append((j, starts[i] - (int(ends_parent[j - 1]) if j else 0)))
         return out
+
+    def _ends(self) -> np.ndarray | None:
+        """End offsets of the parent's chunks (one query for all of them, made only when a
+        new chunk has no unchanged neighbour); None if some are not indexed."""
+        with self._ends_lock:
+            if self._ends_cache is None:
+                found = self.repo.index.lookup_many(self.ids)
+                if len(found) < len(set(self.ids)):
+                    self._ends_cache = False
+                else:
+                    self._ends_cache = np.cumsum(
+                        np.fromiter((found[c].raw_length for c in self.ids), np.int64,
+                                    len(self.ids)))
+            return self._ends_cache if self._ends_cache is not False else None
 
     def encode(self, chunk: memoryview, place: tuple[int, int],
                source: Callable[[bytes, Location], bytes | None],
@@ -120,32 +146,28 @@ class BaseMap:
         if not npg:
             return None
         budget = int(n * delta.MAX_LITERAL_SHARE)
-        tail = n - npg * PAGE
-        words = np.frombuffer(chunk, dtype=np.uint64, count=npg * (PAGE // 8))
-        zero = (~words.reshape(npg, PAGE // 8).any(axis=1)).tolist()
         targets = self._pages(*place, npg)
-        if sum(1 for z, t in zip(zero, targets, strict=True) if not z and t is None) * PAGE \
-                + tail > budget:
-            return None
         data = bytes(chunk)
-        kinds: list[tuple[int | bytes, int]] = []  # per page: (LITERAL/ZEROS/source id, offset)
-        literal = tail
+        runs = _Runs(data)
         for i in range(npg):
-            if zero[i]:
-                kinds.append((delta.ZEROS, 0))
-                continue
+            page = data[i * PAGE : (i + 1) * PAGE]
             t = targets[i]
             if t is not None:
                 plain = source(t[0], t[1])
-                o = t[2]
-                if plain is not None and plain[o : o + PAGE] == data[i * PAGE : (i + 1) * PAGE]:
-                    kinds.append((t[0], o))
+                if plain is not None and plain[t[2] : t[2] + PAGE] == page:
+                    runs.add(t[0], PAGE, t[2])
                     continue
-            kinds.append((delta.LITERAL, 0))
-            literal += PAGE
-            if literal > budget:
+            if page == _ZERO_PAGE:
+                runs.add(delta.ZEROS, PAGE, 0)
+                continue
+            runs.add(delta.LITERAL, PAGE, i * PAGE)
+            if runs.literal > budget:
                 return None
-        return _payload(data, kinds, tail, cctx, min_saving)
+        if n > npg * PAGE:
+            runs.add(delta.LITERAL, n - npg * PAGE, npg * PAGE)
+            if runs.literal > budget:
+                return None
+        return runs.payload(cctx, min_saving)
 
     # -- the parent's pages ----------------------------------------------------------------
 
@@ -157,18 +179,20 @@ class BaseMap:
         n = len(ids)
         out: list[PagePlace | None] = [None] * count
         try:
-            while pos < 0 and j > 0:
+            while pos < 0:
+                if j == 0:
+                    return out
                 j -= 1
                 pos += self._length(j)
-            if pos < 0:
-                return out
+            length = self._length(j) if j < n else 0
             for i in range(count):
-                while j < n and pos >= self._length(j):
-                    pos -= self._length(j)
+                while j < n and pos >= length:
+                    pos -= length
                     j += 1
+                    length = self._length(j) if j < n else 0
                 if j >= n:
                     break
-                if pos + PAGE <= self._length(j):
+                if pos + PAGE <= length:
                     out[i] = self._place(ids[j], pos)
                 pos += PAGE
         except StoreError:
@@ -181,9 +205,17 @@ class BaseMap:
         return self._locs[cid]
 
     def _length(self, j: int) -> int:
-        loc = self._loc(self.ids[j])
+        """Raw length of parent chunk ``j``; looks up its neighbours along with it (new
+        chunks come in clusters, and one query for many ids costs about what one costs)."""
+        cid = self.ids[j]
+        if cid not in self._locs:
+            window = self.ids[max(j - PREFETCH // 4, 0) : j + PREFETCH]
+            found = self.repo.index.lookup_many(window)
+            for c in window:
+                self._locs.setdefault(c, found.get(c))
+        loc = self._locs[cid]
         if loc is None:
-            raise StoreError(f"parent chunk {self.ids[j].hex()} is not indexed")
+            raise StoreError(f"parent chunk {cid.hex()} is not indexed")
         return loc.raw_length
 
     def _place(self, cid: bytes, pos: int) -> PagePlace | None:
@@ -212,34 +244,38 @@ class BaseMap:
         return None
 
 
-def _payload(data: bytes, kinds: list[tuple[int | bytes, int]], tail: int,
-             cctx: zstandard.ZstdCompressor, min_saving: float) -> bytes:
-    """The delta payload of a chunk whose pages are ``kinds`` (LITERAL, ZEROS or a
-    source id, with the offset in the source), literals zstd-compressed where that pays."""
-    slots: dict[bytes, int] = {}
-    runs: list[list[int]] = []  # [src, length, source offset]
-    literals: list[bytes] = []
-    for i, (k, o) in enumerate(kinds):
-        if isinstance(k, bytes):
-            src = slots.setdefault(k, len(slots))
+class _Runs:
+    """The runs of a delta being built: consecutive pieces merge."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.runs: list[list] = []  # [LITERAL, ZEROS or a source id, length, offset]
+        self.literals: list[bytes] = []
+        self.literal = 0
+
+    def add(self, kind: int | bytes, length: int, offset: int) -> None:
+        """Append ``length`` bytes: of source ``kind`` from ``offset``, zeros, or literal
+        bytes of the chunk from ``offset``."""
+        if kind == delta.LITERAL:
+            self.literals.append(self.data[offset : offset + length])
+            self.literal += length
+        last = self.runs[-1] if self.runs else None
+        if last is not None and last[0] == kind and (
+                not isinstance(kind, bytes) or last[2] + last[1] == offset):
+            last[1] += length
         else:
-            src = k
-            if k == delta.LITERAL:
-                literals.append(data[i * PAGE : (i + 1) * PAGE])
-        last = runs[-1] if runs else None
-        if last is not None and last[0] == src and (
-                not isinstance(k, bytes) or last[2] + last[1] == o):
-            last[1] += PAGE
-        else:
-            runs.append([src, PAGE, o])
-    if tail:
-        literals.append(data[len(data) - tail :])
-        if runs and runs[-1][0] == delta.LITERAL:
-            runs[-1][1] += tail
-        else:
-            runs.append([delta.LITERAL, tail, 0])
-    lit = b"".join(literals)
-    packed = cctx.compress(lit) if lit else b""
-    zstd = bool(lit) and len(packed) <= len(lit) * (1 - min_saving)
-    return delta.encode(list(slots), [(r[0], r[1], r[2]) for r in runs],
-                        packed if zstd else lit, zstd, len(lit))
+            self.runs.append([kind, length, offset])
+
+    def payload(self, cctx: zstandard.ZstdCompressor, min_saving: float) -> bytes:
+        """The delta payload, literals zstd-compressed where that pays."""
+        slots: dict[bytes, int] = {}
+        runs: list[delta.Run] = []
+        for kind, length, offset in self.runs:
+            if isinstance(kind, bytes):
+                runs.append((slots.setdefault(kind, len(slots)), length, offset))
+            else:
+                runs.append((kind, length, 0))
+        lit = b"".join(self.literals)
+        packed = cctx.compress(lit) if lit else b""
+        zstd = bool(lit) and len(packed) <= len(lit) * (1 - min_saving)
+        return delta.encode(list(slots), runs, packed if zstd else lit, zstd, len(lit))

@@ -196,18 +196,32 @@ class Materializer:
             self._write_deltas(fd, deltas)
 
     def _write_deltas(self, fd: int, deltas: list[tuple[bytes, Location, bytes, int]]) -> None:
-        """Rebuild, verify and write delta chunks read by ``_write_runs``."""
+        """Rebuild, verify and write delta chunks read by ``_write_runs`` (sources looked up
+        in one query; consecutive chunks written with one ``pwritev``)."""
+        parsed: list[delta.Delta | None] = []
         wanted: set[bytes] = set()
-        for _cid, _loc, payload, _off in deltas:
+        for _cid, loc, payload, _off in deltas:
             try:
-                wanted.update(delta.parse(payload).sources)
+                d = delta.parse(payload, loc.raw_length)
+                wanted.update(d.sources)
             except CorruptObject:
-                pass  # rebuild names the damaged object
+                d = None  # rebuild names the damaged object
+            parsed.append(d)
         locations = self.repo.index.lookup_many(list(wanted))
         cache: dict[bytes, bytes] = {}
-        for cid, loc, payload, file_offset in deltas:
-            data = self._reader.rebuild(cid, loc, payload, locations=locations, cache=cache)
-            pwritev_all(fd, [data], file_offset)
+        out: list[bytes | bytearray] = []
+        at = end = -1
+        for (cid, loc, payload, file_offset), d in zip(deltas, parsed, strict=True):
+            data = self._reader.rebuild(cid, loc, payload, locations=locations, cache=cache,
+                                        parsed=d)
+            if file_offset != end:
+                if out:
+                    pwritev_all(fd, out, at)
+                out, at = [], file_offset
+            out.append(data)
+            end = file_offset + len(data)
+        if out:
+            pwritev_all(fd, out, at)
 
     def _decode_run(self, buf: memoryview, pack: str, items: list[tuple[bytes, int, int, int]]
                     ) -> list[Any]:

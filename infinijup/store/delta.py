@@ -96,7 +96,7 @@ def parse(payload: bytes | memoryview, raw_length: int | None = None) -> Delta:
     sources = [bytes(payload[pos + i * ID_BYTES : pos + (i + 1) * ID_BYTES])
                for i in range(nsrc)]
     pos += nsrc * ID_BYTES
-    runs = [RUN.unpack_from(payload, pos + i * RUN.size) for i in range(nruns)]
+    runs = list(RUN.iter_unpack(payload[pos : pos + nruns * RUN.size]))
     total = literal = 0
     for src, n, _off in runs:
         if src not in (LITERAL, ZEROS) and src >= nsrc:
@@ -117,13 +117,14 @@ def parse(payload: bytes | memoryview, raw_length: int | None = None) -> Delta:
 
 def apply(payload: bytes | memoryview, raw_length: int,
           source: Callable[[bytes], bytes | memoryview],
-          dctx: zstandard.ZstdDecompressor) -> bytearray:
+          dctx: zstandard.ZstdDecompressor, parsed: Delta | None = None) -> bytearray:
     """Rebuild the plaintext of a delta (not verified: the caller hashes it).
 
-    ``source(id)`` returns a source's verified plaintext. Raises CorruptObject on a
-    malformed delta (runs out of a source's range, literals that do not decompress).
+    ``source(id)`` returns a source's plaintext; ``parsed`` is ``parse(payload,
+    raw_length)`` if the caller has it. Raises CorruptObject on a malformed delta (runs out
+    of a source's range, literals that do not decompress).
     """
-    d = parse(payload, raw_length)
+    d = parsed if parsed is not None else parse(payload, raw_length)
     lit = memoryview(payload)[d.literal_at :]
     if d.zstd:
         try:

@@ -21,7 +21,7 @@ from . import delta
 from .errors import ChecksumMismatch, CorruptObject, ObjectMissing
 from .index import Location
 from .objects import hash_bytes
-from .packs import DELTA, decode_payload, pack_path
+from .packs import DELTA, decode_payload, decompress_payload, pack_path
 
 if TYPE_CHECKING:
     from .repository import Repository
@@ -100,15 +100,18 @@ class ObjectReader:
         where = f"object {oid.hex()} in pack {loc.pack}"
         if loc.compression != DELTA:
             return decode_payload(payload, oid, loc.compression, loc.raw_length, where)
-        return self.rebuild(oid, loc, payload, _depth)
+        return bytes(self.rebuild(oid, loc, payload, _depth))
 
     def rebuild(self, oid: bytes, loc: Location, payload: bytes, depth: int = 0, *,
                 locations: Mapping[bytes, Location] | None = None,
-                cache: dict[bytes, bytes] | None = None) -> bytes:
+                cache: dict[bytes, bytes] | None = None,
+                parsed: delta.Delta | None = None) -> bytes | bytearray:
         """The verified plaintext of the delta object ``oid`` stored as ``payload``.
 
         ``locations``: where sources are, if the caller looked them up already (one query
-        for many deltas); ``cache``: verified source plaintexts to reuse and fill.
+        for many deltas); ``cache``: source plaintexts to reuse and fill; ``parsed``: the
+        payload, parsed. Sources are read without hashing them: the rebuilt chunk is
+        verified, and only if that fails are the sources verified, to name the damage.
         """
         where = f"object {oid.hex()} in pack {loc.pack}"
         if depth >= MAX_DEPTH:
@@ -118,8 +121,8 @@ class ObjectReader:
             if cache is not None and sid in cache:
                 return cache[sid]
             try:
-                data = self.read(sid, locations.get(sid) if locations else None,
-                                 _depth=depth + 1)
+                sloc = (locations.get(sid) if locations else None) or self.locate(sid)
+                data = self._plain(sid, sloc, depth + 1)
             except ObjectMissing as exc:
                 raise ObjectMissing(f"{where}: delta source {sid.hex()}: {exc}") from exc
             if cache is not None:
@@ -127,12 +130,26 @@ class ObjectReader:
             return data
 
         try:
-            data = delta.apply(payload, loc.raw_length, source, self.dctx())
+            if parsed is None:
+                parsed = delta.parse(payload, loc.raw_length)
+            data = delta.apply(payload, loc.raw_length, source, self.dctx(), parsed)
         except CorruptObject as exc:
             raise ChecksumMismatch(f"{where}: damaged delta ({exc})") from exc
         if hash_bytes(data) != oid:
+            for sid in parsed.sources:  # a damaged source names itself
+                if cache is not None:
+                    cache.pop(sid, None)
+                self.read(sid, locations.get(sid) if locations else None, _depth=depth + 1)
             raise ChecksumMismatch(f"{where}: checksum mismatch")
-        return bytes(data)
+        return data
+
+    def _plain(self, oid: bytes, loc: Location, depth: int) -> bytes:
+        """The plaintext of a delta source, not verified (see rebuild)."""
+        payload = self.payload(oid, loc)
+        if loc.compression == DELTA:
+            return bytes(self.rebuild(oid, loc, payload, depth))
+        return decompress_payload(payload, loc.compression, loc.raw_length,
+                                  f"object {oid.hex()} in pack {loc.pack}")
 
     def delta_header(self, oid: bytes, loc: Location) -> delta.Delta:
         """The parsed header (sources and runs) of the delta object ``oid``; reads only the

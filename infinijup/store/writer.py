@@ -29,8 +29,8 @@ data). zstd runs over all the chunks of a job in one call (``multi_compress_to_b
 one GIL release per job instead of one per chunk, which matters with many cores.
 
 Page deltas: a stream given a ``base`` (the parent snapshot's version of the file) gets a
-page map of it (basemap.py); a job then tries to store each of its new chunks as a page
-delta of the parent's pages at the same position (delta.py) before compressing it whole.
+``BaseMap`` of it (basemap.py); a job then tries to store each of its new chunks as a page
+delta of the parent's pages at the same place (delta.py) before compressing it whole.
 Without a base (a first snapshot) nothing of this runs.
 """
 
