@@ -60,6 +60,68 @@ def test_graph_draws_the_fork_point():
     assert lines[0].endswith("  [7] model.fit(x)")
 
 
+DESCRIBE = r"""
+import json, numpy as np
+from IPython.core.interactiveshell import InteractiveShell
+from infinijup.kernel_magics import describe
+ip = InteractiveShell.instance()
+ip.run_cell("import numpy as np\nimport os", store_history=True)
+ns = ip.user_ns
+class Guarded:
+    def __sizeof__(self): raise RuntimeError("user code ran")
+    def __getattr__(self, name): raise RuntimeError("user code ran")
+ns.update(small=np.arange(1000), big=np.zeros(2**21), fortran=np.asfortranarray(np.ones((50, 40))),
+          strided=np.ones((400, 400))[::2, ::3], objs=np.array(["a", 1], dtype=object),
+          lst=[1, "a", 2.5], tup=(1, 2), dct={"k": [1]}, text="t" * 10, num=10**30,
+          guarded=Guarded(), _hidden=1)
+def run():
+    d = describe.describe(ip)
+    return d["cell"], {it["name"]: it for it in d["variables"]["items"]}, d["variables"]["truncated"]
+out = {"first": run()}
+ns["small"][5] = -1; ns["big"][:] = 2.0; ns["fortran"][3, 3] = 0.0; ns["strided"][0, 0] = 5.0
+ns["lst"] = [1, "a", 2.5]; ns["tup"] = (1, 2); ns["dct"]["k"] = [1]; ns["num"] = 10**30
+out["second"] = run()
+describe.forget()  # that snapshot was not committed: compare with the first again
+ns["text"] = "u" * 10
+out["after_forget"] = run()
+for i in range(600):
+    ns[f"v{i:03}"] = i
+describe.describe(ip)
+ns["v599"] = -1; ns["zzz"] = 1
+out["many"] = run()
+print(json.dumps(out))
+"""
+
+
+def test_variable_descriptions_and_fingerprints():
+    """describe.py in a plain IPython shell: what is listed, how, and what counts as changed."""
+    res = subprocess.run([sys.executable, "-c", DESCRIBE], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    cell, first, truncated = out["first"]
+    assert cell == {"execution_count": 1, "source": "import numpy as np"} and not truncated
+    assert set(first) == {"small", "big", "fortran", "strided", "objs", "lst", "tup", "dct", "text",
+                          "num", "guarded"}  # no modules, no _names, no In/Out
+    assert all(it["changed"] for it in first.values())
+    assert first["small"] | {"fp": ""} == {"name": "small", "type": "ndarray", "size": 8000,
+                                             "shape": "(1000,)", "fp": "", "changed": True}
+    assert first["lst"]["shape"] == "len 3" and first["num"]["shape"] is None
+    assert first["guarded"]["type"] == "Guarded" and first["guarded"]["size"] > 0  # no user code
+    _, second, _ = out["second"]
+    # Changed in place (whole, sampled, Fortran order, strided) or mutated: changed; rebound to
+    # equal numbers, strings and containers of them: unchanged.
+    assert {n for n, it in second.items() if it["changed"]} == \
+        {"small", "big", "fortran", "strided", "dct"}
+    _, after, _ = out["after_forget"]
+    assert {n for n, it in after.items() if it["changed"]} == \
+        {"small", "big", "fortran", "strided", "dct", "text"}
+    _, many, truncated = out["many"]
+    assert truncated and len(many) == 500
+    assert many["v599"]["changed"] and many["zzz"]["changed"]  # changed ones are kept first
+    assert sum(it["changed"] for it in many.values()) == 2
+
+
 # --- against a real server and kernel ---------------------------------------------------------
 
 async def _fails(nb, code: str, reason: str) -> dict:
