@@ -38,7 +38,8 @@ def jp_server_config(helper_daemon, tmp_path, monkeypatch):
     return {
         "ServerApp": {"jpserver_extensions": {"infinijup": True},
                       "allow_unauthenticated_access": False},
-        "SnapshotManager": {"busy_timeout": 2.0},
+        # a hang guard on a loaded machine (a test wanting a 409 sets its own)
+        "SnapshotManager": {"busy_timeout": 60.0},
     }
 
 

@@ -114,8 +114,16 @@ async def test_transformer_greedy_decoding_continues_identically(notebook):
 async def test_cuda_graph_and_triton_kernel_run_after_restore(notebook):
     nb = notebook
     await nb.execute(GRAPH_AND_TRITON, timeout=180)
+    assert await nb.value("bool((static_out == 1.0).all())")  # the warm-up's result
     snap = await nb.snapshot(message="graph + triton")
+    # Change what the snapshot holds: the graph's buffers (replayed on new input), the Triton
+    # kernel's inputs, and both objects gone.
+    await nb.execute("static_in.fill_(5.0); graph.replay(); xs.zero_(); ys.zero_(); "
+                     "torch.cuda.synchronize(); del graph, axpy")
+    assert await nb.value("bool((static_out == 11.0).all()) and float(xs.abs().sum()) == 0")
     await nb.restore(snap["commit"])
+    # back as snapshotted: buffers, inputs, the graph and the compiled kernel
+    assert await nb.value("bool((static_in == 0).all()) and bool((static_out == 1.0).all())")
     assert await nb.value("run_axpy(3.0, xs, ys).sum().item() == triton_before")
     await nb.execute("static_in.fill_(5.0); graph.replay(); torch.cuda.synchronize()")
     assert await nb.value("bool((static_out == 11.0).all())")
@@ -156,6 +164,14 @@ async def test_gpu_release_and_reacquire_in_place(notebook, jp_serverapp, helper
     assert before > 256 * 2**20 and after == 0, (before, after)
     helper.gpu(root, "reacquire")
     assert await nb.value("hashlib.sha256(v.cpu().numpy().tobytes()).hexdigest() == d")
+    # the same through the engine (SnapshotEngine.release_gpu / reacquire_gpu)
+    engine = jp_serverapp.web_app.settings["infinijup_manager"].engine()
+    assert engine.release_gpu(root)["gpu"]["pids"] == 1
+    assert sum(read_nvml().usage_by_gpu(pids).values()) == 0
+    engine.reacquire_gpu(root)
+    assert sum(read_nvml().usage_by_gpu(pids).values()) > 256 * 2**20  # back on the GPU
+    assert await nb.value("hashlib.sha256(v.cpu().numpy().tobytes()).hexdigest() == d")
+    assert await nb.value("float((v * 2).sum()) == float(v.sum()) * 2")  # the GPU computes
 
 
 def _gpu_count() -> int:
