@@ -217,7 +217,7 @@ class Kernel:
             out[name] = value["data"]["text/plain"]
         return out
 
-    def wait_answering(self, timeout: float = 20.0) -> float:
+    def wait_answering(self, timeout: float = 120.0) -> float:
         """Send kernel_info requests until a shell reply *and* an iopub status message for the
         same request arrive. After a restore the client's ZMQ sockets reconnect and the first
         messages can be lost (slow joiner), so one request is not enough."""
@@ -275,7 +275,7 @@ def kernel(client: Any, trees: Trees) -> Iterator[Kernel]:
     k.close()
 
 
-def wait_for(predicate: Any, timeout: float = 10.0, what: str = "condition") -> None:
+def wait_for(predicate: Any, timeout: float = 120.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:

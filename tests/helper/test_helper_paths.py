@@ -15,7 +15,7 @@ def sleeper(client, trees) -> int:
     work = client.work_dir()
     return trees.add(
         client.spawn(
-            [PYTHON, "-c", "import time; time.sleep(60)"],
+            [PYTHON, "-c", "import time; time.sleep(3600)"],
             kernel_env(),
             work,
             os.path.join(work, "sleeper.log"),

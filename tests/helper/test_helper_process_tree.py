@@ -157,7 +157,7 @@ def test_concurrent_ops_on_one_tree_are_serialized_and_others_proceed(client, tr
     roots = [
         trees.add(
             client.spawn(
-                [PYTHON, "-c", "import time; time.sleep(60)"],
+                [PYTHON, "-c", "import time; time.sleep(3600)"],
                 kernel_env(),
                 work,
                 os.path.join(work, f"c{i}.log"),
@@ -201,7 +201,7 @@ def test_failed_dump_leaves_the_tree_running_and_no_images(client, trees, tmp_pa
     work = client.work_dir()
     code = (
         "import socket, time; s = socket.socket(socket.AF_UNIX); "
-        f"s.connect({outside!r}); print('connected', flush=True); time.sleep(60)"
+        f"s.connect({outside!r}); print('connected', flush=True); time.sleep(3600)"
     )
     log = os.path.join(work, f"extsock-{time.monotonic_ns()}.log")
     root = trees.add(client.spawn([PYTHON, "-c", code], kernel_env(), work, log))

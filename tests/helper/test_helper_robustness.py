@@ -92,7 +92,7 @@ def test_client_vanishing_mid_op_does_not_hurt(helper: HelperDaemon, client, tre
     work = client.work_dir()
     root = trees.add(
         client.spawn(
-            [PYTHON, "-c", "import time; time.sleep(60)"],
+            [PYTHON, "-c", "import time; time.sleep(3600)"],
             kernel_env(),
             work,
             os.path.join(work, "v.log"),

@@ -89,10 +89,10 @@ async def test_helper_killed_during_quiesce(notebook, jp_serverapp, rhelper, sto
 
 
 async def test_helper_killed_during_criu_dump(notebook, jp_serverapp, rhelper, store_path):
-    """Killed once CRIU has started dumping (its log is written: it has what it needs from
-    the helper): CRIU, orphaned, dumps on and lets the kernel go. The helper holds CRIU's
-    answer back (hold point), so the server can only learn of the dump from the helper's
-    death, even should CRIU finish before the kill."""
+    """Killed once CRIU has started dumping (its log is written): CRIU, orphaned, ends (it
+    finishes, or stops at its next notification to the dead helper) and lets the kernel go.
+    The helper holds CRIU's answer back (hold point), so the server can only learn of the
+    dump from the helper's death, even should CRIU finish before the kill."""
     nb = notebook
     digest, _ = await prepare(nb, seed=22)
     before = store_state(store_path)
@@ -105,9 +105,9 @@ async def test_helper_killed_during_criu_dump(notebook, jp_serverapp, rhelper, s
     r = await task
     assert r.code == 500, r.body
     assert json.loads(r.body)["reason"] == "helper_disconnected"
-    # The orphaned CRIU finishes its dump and lets the kernel go: the kernel is not left frozen.
+    # The orphaned CRIU ends and lets the kernel go: the kernel is not left frozen.
     wait_gone([criu])
-    assert "Dumping finished successfully" in open(log).read()
+    print(f"orphaned CRIU: {open(log).read().splitlines()[-1]}")
     await state_intact(nb, digest, {"x": "current"})
     assert store_state(store_path) == before
     assert_store_ok(store_path)
