@@ -13,8 +13,14 @@ Measures, side by side in one process (medians of --runs runs, interleaved):
   holder's data written directly: 45% random float64, 30% int64 pattern, 25% pickled
   dicts), ``gpu-like`` (75% bf16 weights ~ N(0, 0.02), 25% zero pages in 32 MiB regions) and
   ``random`` (incompressible bytes);
-* bytes a second snapshot adds after dirtying 1% of the pages (scattered, and in runs of
-  16 pages) and after inserting 1% new pages in the middle, as % of the image;
+* bytes a later snapshot adds (everything it writes to packs: chunks, page deltas, the
+  file's chunk list, trees, pack headers), as % of the image, committed on top of the
+  snapshot it was made from (``--dedup-mib`` images): after dirtying 1% of the pages
+  (scattered; in runs of 16 pages; scattered with whole pages rewritten), after inserting
+  1% new pages in the middle, after CHAIN successive steps of 1% scattered dirtying, and
+  after dirtying 20% of the pages; then whether issue 16's aims are met (1% scattered <= 3%,
+  1% in runs <= 1.5%), and the ingest and checkout rates of two of those snapshots (with
+  ``--baseline``, for both versions);
 * checkout throughput against ``cat`` reading and writing the same bytes;
 * for each chunker: pagecdc (the default), fastcdc and fixed.
 

@@ -224,6 +224,40 @@ def test_gc_keeps_sources_of_live_deltas_and_repacks_them(tmp_path: Path, src: P
     assert used - set(file_chunks(repo, b.id))  # some of them only through the deltas
 
 
+@pytest.mark.parametrize("point", ["gc_after_repack", "gc_after_commit_index",
+                                   "gc_after_commit_files", "gc_after_pack_index",
+                                   "gc_after_pack_files"])
+def test_gc_killed_while_collecting_around_deltas(tmp_path: Path, src: Path,
+                                                  point: str) -> None:
+    repo = Repository.init(tmp_path / "store", pack_size=512 << 10)
+    img = page_image(1024, seed=23)
+    a = snapshot(repo, src, img, thread="a")
+    entry = next(e for e in repo.get_tree(a.tree) if e.name == "pages-1.img")
+    changed = bytearray(img)
+    dirty(changed, 0.03, seed=24)
+    (src / "pages-1.img").write_bytes(changed)
+    with repo.writer() as w:
+        dead = w.add_bytes(random_bytes(300_000, seed=25))  # shares packs with live objects
+        w.commit({"dead.img": dead}, thread="dead")
+        blob = w.add_file(src / "pages-1.img", base=Blob(entry.id, entry.size))
+        b = w.commit({"pages-1.img": blob}, thread="b", parents=[])
+    assert b.stats["delta_chunks"] > 0
+    repo.delete_thread("a")
+    repo.delete_thread("dead")
+    r = subprocess.run([sys.executable, CHILD, "gc", str(repo.path)], capture_output=True,
+                       text=True, timeout=120,
+                       env=subprocess_env(INFINIJUP_STORE_CRASH_AT=point))
+    assert r.returncode == -signal.SIGKILL, r.stdout + r.stderr
+    repo = Repository.open(repo.path)
+    report = repo.check(read_data=True)
+    assert report.ok, report.problems
+    assert checkout_bytes(repo, b.id, tmp_path / "out") == bytes(changed)
+    repo.gc()
+    after = repo.check(read_data=True)
+    assert after.ok and not after.warnings, (after.problems, after.warnings)
+    assert checkout_bytes(repo, b.id, tmp_path / "out2") == bytes(changed)
+
+
 def delta_store(tmp_path: Path, src: Path) -> tuple[Repository, str, str, bytes, bytes]:
     repo = Repository.init(tmp_path / "store")
     img = page_image(2048, seed=16)
