@@ -444,6 +444,11 @@ export class InfinijupActions {
       }
     }
     const path = sessionPath(panel);
+    if (!newNotebook && kernel) {
+      // The server resumes into the kernel a notebook runs: free the path
+      // of the kernel the user agreed to replace.
+      await panel.sessionContext.shutdown();
+    }
     const busyKey = pathKey(panel);
     const handle = this._progress.begin(
       'resume',
@@ -553,10 +558,12 @@ export class InfinijupActions {
       return null;
     }
     if (!this.managed.isManaged(kernel)) {
+      // JupyterLab cuts notifications at 140 characters: keep it short, the
+      // action button says how.
       Notification.warning(
-        `Cannot ${what}: the kernel of ${name(panel)} ` +
-          `(${panel.sessionContext.kernelDisplayName}) is not managed by Infinijup. ` +
-          `Switch to ${KERNEL_DISPLAY_NAME} with Kernel › Change Kernel….`,
+        `Cannot ${what} (${name(panel)}): its kernel ` +
+          `(${panel.sessionContext.kernelDisplayName}) is not managed by ` +
+          `Infinijup. Switch to ${KERNEL_DISPLAY_NAME}.`,
         { autoClose: 8000, actions: changeKernel }
       );
       return null;

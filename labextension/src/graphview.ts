@@ -300,23 +300,24 @@ export class GraphView extends Widget {
           )}">HEAD</span>`
         );
       }
-      if (gpu) {
-        chips.push(
-          `<span class="jp-Infinijup-chip jp-Infinijup-chip-gpu" title="Holds GPU state (${formatBytes(
+      const gpuChip = gpu
+        ? `<span class="jp-Infinijup-chip jp-Infinijup-chip-gpu" title="Holds GPU state (${formatBytes(
             c.stats.gpu_bytes ?? 0
           )})">GPU</span>`
-        );
-      }
+        : '';
       const kind = c.message
         ? ''
         : cellLabel(c)
           ? ' jp-mod-derived'
           : ' jp-mod-empty';
+      // Line 1: thread tips and HEAD, then the label (which gives way);
+      // line 2: id, GPU, age, size (hidden when narrow): never cut.
       text =
-        `<div class="jp-Infinijup-row-message${kind}">${esc(commitTitle(c))}</div>` +
+        `<div class="jp-Infinijup-row-line">${chips.join('')}` +
+        `<span class="jp-Infinijup-row-message${kind}">${esc(commitTitle(c))}</span></div>` +
         `<div class="jp-Infinijup-row-meta"><code class="jp-Infinijup-id">${shortId(
           c.id
-        )}</code>${chips.join('')}<span class="jp-Infinijup-age" title="${esc(
+        )}</code>${gpuChip}<span class="jp-Infinijup-age" title="${esc(
           `${formatDate(c.created)} (${formatAge(c.created)})`
         )}">${esc(formatAgeShort(c.created))}</span><span class="jp-Infinijup-size" title="Stored ${formatBytes(
           c.stats.stored_bytes
@@ -334,9 +335,9 @@ export class GraphView extends Widget {
       const gpu = node.commits.filter(hasGpu).length;
       el.title = `${node.commits.length} commits on ${node.thread}, click to show them`;
       text =
-        `<div class="jp-Infinijup-row-message">${node.commits.length} more commits on ${esc(
+        `<div class="jp-Infinijup-row-line"><span class="jp-Infinijup-row-message">${node.commits.length} more commits on ${esc(
           node.thread
-        )} <span class="jp-Infinijup-expand">show</span></div>` +
+        )} <span class="jp-Infinijup-expand">show</span></span></div>` +
         `<div class="jp-Infinijup-row-meta"><code class="jp-Infinijup-id">${shortId(
           newest.id
         )}…${shortId(oldest.id)}</code>${

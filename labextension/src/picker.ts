@@ -1,17 +1,16 @@
 /**
  * The body of the "pick a commit" dialog: a list of the notebook's commits
- * (HEAD preselected, each row whole: short id, label, age) and a field for a
- * typed id, id prefix or thread name.
+ * (HEAD preselected; each row shows its id, HEAD mark and age whole, the
+ * label takes the rest of the line) and a field for a typed id, id prefix or
+ * thread name.
  */
 
 import { Widget } from '@lumino/widgets';
 
 import { commitTitle } from './commits';
 import { formatAge, shortId } from './format';
+import { esc } from './graphview';
 import type { ICommit } from './types';
-
-/** Longest label shown in the list (the dialog is 560 px wide). */
-const MAX_LABEL = 44;
 
 export class CommitPicker extends Widget {
   constructor(options: CommitPicker.IOptions) {
@@ -20,64 +19,138 @@ export class CommitPicker extends Widget {
     const commits = options.commits.slice(0, options.limit ?? 500);
     const head = options.head ?? null;
 
-    const listLabel = document.createElement('label');
+    const listLabel = document.createElement('div');
+    listLabel.className = 'jp-Infinijup-picker-label';
     listLabel.textContent = commits.length
       ? 'Snapshots of this notebook (HEAD is where the kernel is now)'
       : 'This notebook has no snapshots yet.';
     this.node.appendChild(listLabel);
 
-    this._list = document.createElement('select');
+    this._list = document.createElement('div');
     this._list.className = 'jp-Infinijup-picker-list';
-    this._list.size = Math.max(2, Math.min(8, commits.length));
+    this._list.tabIndex = 0;
+    this._list.setAttribute('role', 'listbox');
     this._list.setAttribute('aria-label', 'Snapshots');
-    for (const c of commits) {
-      const option = document.createElement('option');
-      option.value = c.id;
-      option.textContent = pickerLabel(c, c.id === head);
-      option.title = `${c.id}\n${commitTitle(c)}`;
-      this._list.appendChild(option);
-    }
-    const preselect = commits.find(c => c.id === head) ?? commits[0];
-    if (preselect) {
-      this._list.value = preselect.id;
-    }
-    if (commits.length === 0) {
-      this._list.hidden = true;
-    }
+    this._list.innerHTML = commits
+      .map(
+        c =>
+          `<div class="jp-Infinijup-picker-option" role="option" aria-selected="false" data-id="${esc(
+            c.id
+          )}" title="${esc(`${c.id}\n${commitTitle(c)}`)}">` +
+          (c.id === head
+            ? '<span class="jp-Infinijup-chip jp-Infinijup-chip-head">HEAD</span>'
+            : '') +
+          `<code class="jp-Infinijup-id">${shortId(c.id)}</code>` +
+          `<span class="jp-Infinijup-picker-title">${esc(commitTitle(c))}</span>` +
+          `<span class="jp-Infinijup-picker-age">${esc(formatAge(c.created))}</span></div>`
+      )
+      .join('');
+    this._list.hidden = commits.length === 0;
     this.node.appendChild(this._list);
 
     const typedLabel = document.createElement('label');
     typedLabel.textContent = 'or type a commit id, id prefix or thread name';
-    this.node.appendChild(typedLabel);
     this._input = document.createElement('input');
     this._input.type = 'text';
     this._input.className = 'jp-mod-styled jp-Infinijup-picker-input';
     this._input.placeholder = 'e.g. main or 1a2b3c4d';
     this._input.spellcheck = false;
-    this.node.appendChild(this._input);
+    typedLabel.appendChild(this._input);
+    this.node.appendChild(typedLabel);
 
-    // Choosing from the list clears a typed ref, so the two never disagree.
-    this._list.addEventListener('change', () => (this._input.value = ''));
-    this._list.addEventListener('dblclick', () => {
-      this.node
-        .closest('.jp-Dialog')
-        ?.querySelector<HTMLButtonElement>('.jp-mod-accept')
-        ?.click();
-    });
+    const preselect = commits.find(c => c.id === head) ?? commits[0];
+    if (preselect) {
+      this._select(preselect.id);
+    }
+    this._list.addEventListener('click', this._onClick);
+    this._list.addEventListener('dblclick', this._onDoubleClick);
+    this._list.addEventListener('keydown', this._onKeyDown);
   }
 
   /** The typed ref, else the selected commit's id ('' when none). */
   getValue(): string {
-    return this._input.value.trim() || this._list.value || '';
+    return this._input.value.trim() || this._selected;
   }
 
-  /** Focus the list (what the dialog focuses first). */
-  focus(): void {
-    (this._list.hidden ? this._input : this._list).focus();
+  /** The selected commit's id. */
+  get selected(): string {
+    return this._selected;
   }
 
-  private _list: HTMLSelectElement;
+  protected onAfterAttach(): void {
+    this._options()
+      .find(o => o.dataset.id === this._selected)
+      ?.scrollIntoView({ block: 'nearest' });
+  }
+
+  private _options(): HTMLElement[] {
+    return Array.from(
+      this._list.querySelectorAll<HTMLElement>('.jp-Infinijup-picker-option')
+    );
+  }
+
+  private _select(id: string): void {
+    this._selected = id;
+    for (const option of this._options()) {
+      const on = option.dataset.id === id;
+      option.setAttribute('aria-selected', on ? 'true' : 'false');
+      option.classList.toggle('jp-mod-selected', on);
+      if (on) {
+        option.scrollIntoView?.({ block: 'nearest' });
+      }
+    }
+  }
+
+  private _onClick = (event: MouseEvent) => {
+    const option = (event.target as HTMLElement).closest<HTMLElement>(
+      '.jp-Infinijup-picker-option'
+    );
+    if (option?.dataset.id) {
+      // Choosing from the list clears a typed ref: the two never disagree.
+      this._input.value = '';
+      this._select(option.dataset.id);
+    }
+  };
+
+  private _onDoubleClick = (event: MouseEvent) => {
+    this._onClick(event);
+    this.node
+      .closest('.jp-Dialog')
+      ?.querySelector<HTMLButtonElement>('.jp-mod-accept')
+      ?.click();
+  };
+
+  private _onKeyDown = (event: KeyboardEvent) => {
+    const ids = this._options().map(o => o.dataset.id!);
+    const at = ids.indexOf(this._selected);
+    let next = at;
+    switch (event.key) {
+      case 'ArrowDown':
+        next = Math.min(ids.length - 1, at + 1);
+        break;
+      case 'ArrowUp':
+        next = Math.max(0, at - 1);
+        break;
+      case 'Home':
+        next = 0;
+        break;
+      case 'End':
+        next = ids.length - 1;
+        break;
+      default:
+        return;
+    }
+    event.preventDefault();
+    event.stopPropagation();
+    if (next >= 0 && ids[next]) {
+      this._input.value = '';
+      this._select(ids[next]);
+    }
+  };
+
+  private _list: HTMLElement;
   private _input: HTMLInputElement;
+  private _selected = '';
 }
 
 export namespace CommitPicker {
@@ -89,17 +162,4 @@ export namespace CommitPicker {
     /** Most commits listed (default 500). */
     limit?: number;
   }
-}
-
-/** "HEAD · 1a2b3c4d · [3] df = load() · 5 min ago" */
-export function pickerLabel(commit: ICommit, isHead = false): string {
-  const title = commitTitle(commit);
-  return [
-    ...(isHead ? ['HEAD'] : []),
-    shortId(commit.id),
-    title.length > MAX_LABEL ? title.slice(0, MAX_LABEL - 1) + '…' : title,
-    formatAge(commit.created)
-  ]
-    .filter(Boolean)
-    .join(' · ');
 }

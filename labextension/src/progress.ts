@@ -93,13 +93,22 @@ export class ProgressTracker {
   handleEvent(event: IOperationEvent): void {
     let handle = this._byOpId.get(event.op_id);
     if (!handle) {
-      const pending = this._handles.filter(
-        h => !h.opId && !h.finished && h.op === event.op
-      );
+      const pending = this._handles.filter(h => !h.opId && !h.finished);
       handle =
-        pending.find(h => !!h.kernelId && h.kernelId === event.kernel_id) ??
-        // A resume's kernel is new: match by the notebook's path (or its copy).
-        pending.find(h => !h.kernelId && samePathOrCopy(h.path, event.path));
+        pending.find(
+          h =>
+            h.op === event.op && !!h.kernelId && h.kernelId === event.kernel_id
+        ) ??
+        // A resume's kernel is new: match by the notebook's path (or its
+        // copy). The server may report a resume's phases as a restore into
+        // the kernel it started.
+        pending.find(
+          h =>
+            !h.kernelId &&
+            h.op === 'resume' &&
+            (event.op === 'resume' || event.op === 'restore') &&
+            samePathOrCopy(h.path, event.path)
+        );
       if (handle) {
         handle.opId = event.op_id;
         this._byOpId.set(event.op_id, handle);

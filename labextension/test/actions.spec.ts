@@ -25,7 +25,7 @@ import { InputDialog, Notification, showDialog } from '@jupyterlab/apputils';
 import { DEFAULT_SETTINGS, InfinijupActions } from '../src/actions';
 import { ManagedKernels } from '../src/kernels';
 import { HistoryModel } from '../src/model';
-import { CommitPicker, pickerLabel } from '../src/picker';
+import { CommitPicker } from '../src/picker';
 import { ProgressTracker } from '../src/progress';
 import type { IHistory } from '../src/types';
 import {
@@ -177,14 +177,24 @@ describe('restore', () => {
     const body = mocked.showDialog.mock.calls[0][0].body as CommitPicker;
     expect(body).toBeInstanceOf(CommitPicker);
     expect(body.getValue()).toBe(ID(3));
-    const options = Array.from(body.node.querySelectorAll('option'));
-    const labels = options.map(o => o.textContent!.split(' · '));
-    expect(labels.map(l => l.slice(0, -1))).toEqual([
+    const options = Array.from(
+      body.node.querySelectorAll<HTMLElement>('[role="option"]')
+    );
+    const labels = options.map(o =>
+      Array.from(o.children)
+        .slice(0, -1)
+        .map(c => c.textContent)
+    );
+    expect(labels).toEqual([
       ['HEAD', '33333333', 'third'],
       ['22222222', 'second'],
       ['11111111', '[1] x = 1']
     ]);
-    expect(options[0].selected).toBe(true);
+    expect(options.map(o => o.getAttribute('aria-selected'))).toEqual([
+      'true',
+      'false',
+      'false'
+    ]);
     expect(api.restore).not.toHaveBeenCalled();
   });
 
@@ -271,8 +281,12 @@ describe('resume', () => {
       'Python 3 (ipykernel)'
     );
     expect(api.resume).not.toHaveBeenCalled();
+    expect(panel.sessionContext.shutdown).not.toHaveBeenCalled();
     answerDialogs(true);
     await actions.resume(panel, ID(2));
+    // The plain kernel goes first: the server resumes into a notebook's
+    // running kernel, and it cannot restore into a plain one.
+    expect(panel.sessionContext.shutdown).toHaveBeenCalledTimes(1);
     expect(api.resume).toHaveBeenCalledTimes(1);
     expect(panel.sessionContext.changeKernel).toHaveBeenCalledWith({
       id: 'k-resumed'
@@ -328,16 +342,24 @@ describe('resume', () => {
 });
 
 describe('CommitPicker', () => {
-  it('lists whole labels and lets a typed ref win', () => {
+  it('selects by click and keys, and lets a typed ref win', () => {
     const h = history();
     const picker = new CommitPicker({ commits: h.commits, head: ID(2) });
+    expect(picker.getValue()).toBe(ID(2));
+    const list = picker.node.querySelector<HTMLElement>('[role="listbox"]')!;
+    list.dispatchEvent(new KeyboardEvent('keydown', { key: 'ArrowDown' }));
+    expect(picker.getValue()).toBe(ID(1));
+    list.dispatchEvent(new KeyboardEvent('keydown', { key: 'Home' }));
+    expect(picker.getValue()).toBe(ID(3));
+    picker.node
+      .querySelector<HTMLElement>(`[data-id="${ID(2)}"] .jp-Infinijup-id`)!
+      .click();
     expect(picker.getValue()).toBe(ID(2));
     const input = picker.node.querySelector('input')!;
     input.value = ' main ';
     expect(picker.getValue()).toBe('main');
-    const long = commit('f'.repeat(64), [], 'main', 0, 'x'.repeat(80));
-    expect(pickerLabel(long)).toBe(`ffffffff · ${'x'.repeat(43)}…`);
-    expect(pickerLabel(h.commits[0], true)).toMatch(/^HEAD · 33333333 · third/);
     expect(new CommitPicker({ commits: [] }).getValue()).toBe('');
+    // Without HEAD in the list, the newest is preselected.
+    expect(new CommitPicker({ commits: h.commits }).getValue()).toBe(ID(3));
   });
 });

@@ -46,6 +46,11 @@ export function fakeNotebook(
     kernelChanged: new Signal(owner),
     statusChanged: new Signal(owner),
     propertyChanged: new Signal(owner),
+    shutdown: jest.fn(async () => {
+      ctx.session = null;
+      ctx.kernelDisplayName = 'No Kernel';
+      ctx.kernelChanged.emit({});
+    }),
     changeKernel: jest.fn(async (model: { id: string }) => {
       const k = fakeKernel(model.id);
       ctx.session = { path, kernel: k };

@@ -105,10 +105,11 @@ describe('ProgressTracker', () => {
         percent: 60
       })
     );
-    // A resume into a new notebook may report the copy's path.
+    // A resume into a new notebook may report the copy's path, and its
+    // phases as a restore into the kernel the server started.
     tracker.handleEvent(
       event({
-        op: 'resume',
+        op: 'restore',
         op_id: 'r2',
         kernel_id: 'k8',
         path: 'd/a-c0ffee00.ipynb'
