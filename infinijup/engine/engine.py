@@ -1,9 +1,11 @@
 """Kernel images between the privileged helper and the store.
 
 Snapshot: the helper dumps the kernel tree (left running) into a fresh directory of its work
-area; the images are committed to the store; the directory is removed. Restore: the commit is
-checked out completely (every chunk verified) before the running kernel is touched; only then
-does the helper replace the kernel with the restored tree.
+area; ``on_dumped`` hears of it at once (the kernel runs again from then on, while the images
+are stored); the images are committed to the store; the directory then goes to the hot tier
+(hot_tier.py) or is removed. Restore: the commit's images come from the hot tier when it holds
+them, else they are checked out completely (every chunk verified); either way before the
+running kernel is touched. Only then does the helper replace the kernel with the restored tree.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from pathlib import Path
 
 from ..errors import InfinijupError, RestoreFailed, SnapshotFailed
 from ..process import start_time
+from ..store.errors import RefConflict
+from ..store.faults import holdpoint
+from ..store.writer import entries_from_dir
+from .hot_tier import HotTier
 
 Progress = Callable[[str, dict], None]
 _TAGGED = re.compile(r"^(\d+)\.(\d+)\.[0-9a-f]{32}$")  # <pid>.<start time>.<uuid>
@@ -30,6 +36,17 @@ def _no_progress(phase: str, detail: dict) -> None:
 
 
 @dataclass(frozen=True)
+class Dumped:
+    """A kernel dumped into the work dir (it runs again), its images not yet stored."""
+
+    images: Path
+    image_bytes: int
+    pause_s: float
+    phases: dict = field(default_factory=dict)  # the helper's
+    gpu: dict | None = None
+
+
+@dataclass(frozen=True)
 class DumpResult:
     commit: object  # infinijup.store.Commit
     image_bytes: int
@@ -37,6 +54,7 @@ class DumpResult:
     pause_s: float
     duration_s: float
     phases: dict = field(default_factory=dict)
+    hot: bool = False  # its images were kept in the hot tier
 
 
 @dataclass(frozen=True)
@@ -49,10 +67,12 @@ class RestoreResult:
 class SnapshotEngine:
     """Snapshot and restore kernel process trees, given a store and a helper client."""
 
-    def __init__(self, repo, helper) -> None:
+    def __init__(self, repo, helper, hot_tier_bytes: int = 0) -> None:
         self.repo = repo
         self.helper = helper
+        self.hot_tier_bytes = hot_tier_bytes  # 0: no hot tier (see hot_tier.py)
         self._work_dir: Path | None = None
+        self._hot: HotTier | None = None
 
     def work_dir(self) -> Path:
         if self._work_dir is None:
@@ -78,6 +98,11 @@ class SnapshotEngine:
             if match and start_time(int(match[1])) != int(match[2]):
                 self._discard(parent / name)
 
+    def hot_tier(self) -> HotTier:
+        if self._hot is None:
+            self._hot = HotTier(self.work_dir() / "hot", self.hot_tier_bytes)
+        return self._hot
+
     def _discard(self, path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
         if path.exists():
@@ -96,26 +121,88 @@ class SnapshotEngine:
         parents: list[str],
         expected_tip: str | None,
         on_progress: Progress = _no_progress,
+        on_dumped: Callable[[Dumped], None] | None = None,
+        replan: Callable[[RefConflict], dict] | None = None,
     ) -> DumpResult:
-        """Dump the tree rooted at ``pid`` (left running) and commit it on store ``thread``."""
+        """Dump the tree rooted at ``pid`` (left running) and commit it on store ``thread``.
+
+        ``on_dumped`` is called as soon as the kernel is dumped and runs again, before the
+        images are stored. ``replan``, given the conflict when ``thread`` moved meanwhile,
+        returns new ``thread``/``metadata``/``parents``/``expected_tip`` for the same images
+        (the kernel may have moved on since: it is never dumped twice).
+        """
         t0 = time.perf_counter()
+        dumped = self.dump(pid, on_progress)
+        try:
+            if on_dumped is not None:
+                on_dumped(dumped)
+            t_dump = time.perf_counter()
+            target = {"thread": thread, "metadata": metadata, "parents": parents,
+                      "expected_tip": expected_tip}
+            for attempt in range(3):
+                try:
+                    commit = self.commit(dumped, message=message, on_progress=on_progress,
+                                         **target)
+                    break
+                except RefConflict as exc:
+                    if replan is None or attempt == 2:
+                        raise
+                    target = replan(exc)
+            t_store = time.perf_counter()
+            hot = self.keep_hot(dumped, commit)
+        finally:
+            self._discard(dumped.images)  # nothing left to remove when it went hot
+        t1 = time.perf_counter()
+        stats = dict(getattr(commit, "stats", {}) or {})
+        return DumpResult(
+            commit=commit,
+            image_bytes=int(stats.get("image_bytes", dumped.image_bytes)),
+            stored_bytes=int(stats.get("stored_bytes", 0)),
+            pause_s=dumped.pause_s,
+            duration_s=t1 - t0,
+            phases={"dump_s": t_dump - t0, "store_s": t_store - t_dump, "hot_s": t1 - t_store},
+            hot=hot,
+        )
+
+    def dump(self, pid: int, on_progress: Progress = _no_progress) -> Dumped:
+        """Dump the tree rooted at ``pid`` (left running) into a fresh images dir."""
+        if self.hot_tier_bytes > 0:
+            try:
+                self.hot_tier().make_room()  # the hot tier never fills the disk under a dump
+            except OSError:
+                pass
         images = self._new_dir("images")
         try:
             on_progress("dump", {"percent": 30})
             dump = self.helper.dump(pid, str(images), leave_running=True,
                                     on_progress=lambda ph, d: on_progress(ph, d))
-            pause_s = float(dump.duration_s)
-            t_dump = time.perf_counter()
-            on_progress("store", {"percent": 60, "bytes": dump.image_bytes})
-            meta = dict(metadata)
-            if dump.gpu:
-                meta["gpu"] = dict(dump.gpu)
-            meta["timings"] = {**meta.get("timings", {}), "dump_s": pause_s,
-                               **{f"helper_{k}_s": v for k, v in dump.phases.items()}}
-            commit = self.repo.commit_dir(
-                images, thread=thread, message=message, metadata=meta,
-                parents=parents, expected_tip=expected_tip,
-            )
+        except InfinijupError:
+            self._discard(images)
+            raise
+        except Exception as exc:
+            self._discard(images)
+            raise SnapshotFailed(f"snapshot failed: {exc}") from exc
+        return Dumped(images=images, image_bytes=int(dump.image_bytes),
+                      pause_s=float(dump.duration_s), phases=dict(dump.phases),
+                      gpu=dict(dump.gpu) if dump.gpu else None)
+
+    def commit(self, dumped: Dumped, *, thread: str, message: str, metadata: dict,
+               parents: list[str], expected_tip: str | None,
+               on_progress: Progress = _no_progress):
+        """Store ``dumped``'s images as a commit on ``thread``; durable when it returns.
+        The images stay where they are (``keep_hot`` or ``discard`` them)."""
+        meta = dict(metadata)
+        if dumped.gpu:
+            meta["gpu"] = dict(dumped.gpu)
+        meta["timings"] = {**meta.get("timings", {}), "dump_s": dumped.pause_s,
+                           **{f"helper_{k}_s": v for k, v in dumped.phases.items()}}
+        try:
+            holdpoint("before_ingest")
+            with self.repo.writer() as w:
+                counted = _CountingWriter(w, _IngestProgress(on_progress, dumped.image_bytes))
+                top = entries_from_dir(counted, dumped.images, self._base_tree(parents, thread))
+                return w.commit(top.entries, thread=thread, message=message, metadata=meta,
+                                parents=parents, expected_tip=expected_tip)
         except InfinijupError:
             raise
         except OSError as exc:
@@ -128,18 +215,23 @@ class SnapshotEngine:
             raise SnapshotFailed(f"snapshot failed: {exc}") from exc
         except Exception as exc:
             raise SnapshotFailed(f"snapshot failed: {exc}") from exc
-        finally:
-            self._discard(images)
-        t1 = time.perf_counter()
-        stats = dict(getattr(commit, "stats", {}) or {})
-        return DumpResult(
-            commit=commit,
-            image_bytes=int(stats.get("image_bytes", dump.image_bytes)),
-            stored_bytes=int(stats.get("stored_bytes", 0)),
-            pause_s=pause_s,
-            duration_s=t1 - t0,
-            phases={"dump_s": t_dump - t0, "store_s": t1 - t_dump},
-        )
+
+    def _base_tree(self, parents: list[str], thread: str) -> str | None:
+        """The tree the new images are stored against (page deltas); as Repository.commit_dir."""
+        base = getattr(self.repo, "_base_tree", None)
+        return base(parents, thread) if base is not None else None
+
+    def keep_hot(self, dumped: Dumped, commit) -> bool:  # noqa: ANN001
+        """Move the committed images into the hot tier (if it takes them)."""
+        if self.hot_tier_bytes <= 0:
+            return False
+        try:
+            return self.hot_tier().keep(dumped.images, commit, self.repo.get_tree(commit.tree))
+        except (OSError, InfinijupError):
+            return False  # a cache: the commit is in the store either way
+
+    def discard(self, dumped: Dumped) -> None:
+        self._discard(dumped.images)
 
     def release_gpu(self, pid: int) -> dict:
         """Move the live kernel's VRAM to host memory and free its GPUs (no CRIU, no store)."""
@@ -149,9 +241,16 @@ class SnapshotEngine:
         """Bring a released kernel's memory back onto its GPUs."""
         return self.helper.gpu(pid, "reacquire")
 
-    def materialize(self, commit_id: str) -> Path:
-        """Check a commit's images out into a fresh directory of the helper's work area."""
+    def materialize(self, commit_id: str, info: dict | None = None) -> Path:
+        """A commit's images in a fresh directory of the helper's work area: linked from the
+        hot tier when it holds them, else checked out of the store. ``info`` gets
+        ``source`` ("hot" or "store") and ``checkout_s``."""
+        t0 = time.perf_counter()
         target = self._new_dir("restore")
+        if self._link_hot(commit_id, target):
+            if info is not None:
+                info.update(source="hot", checkout_s=time.perf_counter() - t0)
+            return target
         try:
             self.repo.checkout_dir(commit_id, target)
         except InfinijupError as exc:
@@ -171,7 +270,19 @@ class SnapshotEngine:
         except BaseException:
             self._discard(target)
             raise
+        if info is not None:
+            info.update(source="store", checkout_s=time.perf_counter() - t0)
         return target
+
+    def _link_hot(self, commit_id: str, target: Path) -> bool:
+        if self.hot_tier_bytes <= 0:
+            return False
+        try:
+            commit = self.repo.get_commit(commit_id)
+            return self.hot_tier().link_into(commit, self.repo.get_tree(commit.tree), target)
+        except (OSError, InfinijupError):
+            self._discard(target)
+            return False
 
     def restore(self, images: Path, replace_pid: int | None,
                 on_progress: Progress = _no_progress,
@@ -206,3 +317,48 @@ class SnapshotEngine:
             self._discard(images)
         return RestoreResult(pid=result.pid, duration_s=time.perf_counter() - t0,
                              phases=dict(result.phases))
+
+
+class _IngestProgress:
+    """Counts the bytes read into the store; reports each further 5% as a ``store`` phase."""
+
+    def __init__(self, on_progress: Progress, total: int) -> None:
+        self.on_progress = on_progress
+        self.total = max(1, total)
+        self.done = 0
+        self.step = max(1, self.total // 20)
+        self.next = self.step
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        if self.done >= self.next:
+            self.next = self.done + self.step
+            frac = min(1.0, self.done / self.total)
+            self.on_progress("store", {"percent": 60 + 35 * frac, "message":
+                                       f"stored {self.done / 1e9:.2f} of "
+                                       f"{self.total / 1e9:.2f} GB"})
+
+
+class _CountingWriter:
+    """What ``entries_from_dir`` needs of a Writer, counting the bytes it reads."""
+
+    def __init__(self, writer, count: Callable[[int], None]) -> None:  # noqa: ANN001
+        self.repo = writer.repo
+        self._writer = writer
+        self._count = count
+
+    def add_file(self, path, *, base=None):  # noqa: ANN001, ANN201
+        with open(path, "rb", buffering=0) as f:
+            return self._writer.add_stream(_CountedFile(f, self._count), base=base)
+
+
+class _CountedFile:
+    def __init__(self, f, count: Callable[[int], None]) -> None:  # noqa: ANN001
+        self._f = f
+        self._count = count
+
+    def readinto(self, buf) -> int:  # noqa: ANN001
+        n = self._f.readinto(buf)
+        if n:
+            self._count(n)
+        return n

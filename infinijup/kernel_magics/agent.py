@@ -52,13 +52,16 @@ def quiesce() -> str:
     return _answer(ip, info)
 
 
-def resume(restored: bool = False) -> str:
+def resume(restored: bool = False, committed: bool = True) -> str:
+    """Run the resume hooks. ``committed`` False: the snapshot is still being stored (the
+    kernel goes on after its dump), so a failed ingest can still ``forget`` it."""
     ip = _shell()
     try:
         info = hooks.run_resume(bool(restored))
     except Exception as exc:
         info = {"hook_errors": [str(exc)]}
-    describe.committed()
+    if committed:
+        describe.committed()
     return _answer(ip, info)
 
 
@@ -87,10 +90,31 @@ def _clean_item(item: object) -> dict | None:
             "fp": fp[:64], "changed": bool(item.get("changed", True))}
 
 
+def _clean_release(report: object) -> dict:
+    """gpu_sync.release_cached_memory's report, byte counts only."""
+    if not isinstance(report, dict):
+        return {}
+    out: dict = {}
+    for key, value in report.items():
+        if key in ("reserved_before", "reserved_after", "allocated"):
+            if type(value) is int and value >= 0:
+                out[key] = value
+        elif key in ("torch", "cupy") and isinstance(value, dict):
+            lib = {k: v for k, v in value.items()
+                   if k in ("reserved_before", "reserved_after", "allocated")
+                   and type(v) is int and v >= 0}
+            if isinstance(value.get("error"), str):
+                lib["error"] = value["error"][:200]
+            if lib:
+                out[key] = lib
+    return out
+
+
 def commit_metadata(info: object) -> dict:
     """For the server: the commit metadata from a kernel's description (``quiesce``'s answer or
     the body of ``%snapshot``'s request), checked field by field since a kernel sent it:
-    ``{"cell": ..., "variables": ...}``, each only when present and well formed."""
+    ``{"cell": ..., "variables": ..., "gpu_release": ...}``, each only when present and well
+    formed."""
     out: dict = {}
     if not isinstance(info, dict):
         return out
@@ -99,6 +123,9 @@ def commit_metadata(info: object) -> dict:
         count, source = cell.get("execution_count"), cell.get("source")
         out["cell"] = {"execution_count": count if type(count) is int else None,
                        "source": source[:describe.MAX_SOURCE] if isinstance(source, str) else ""}
+    released = _clean_release(info.get("gpu_release"))
+    if released:
+        out["gpu_release"] = released
     variables = info.get("variables")
     if isinstance(variables, dict) and isinstance(variables.get("items"), list):
         raw = variables["items"]

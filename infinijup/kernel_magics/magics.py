@@ -44,13 +44,16 @@ class InfinijupMagics(Magics):
     @magic_arguments()
     @argument("-m", "--message", default="", help="a message for the snapshot")
     @argument("-t", "--thread", default=None, help="the thread to put the snapshot on")
+    @argument("-w", "--wait", action="store_true",
+              help="wait until the store holds the snapshot (else the next cell runs as soon "
+                   "as the kernel is dumped, while the store takes it in)")
     @line_magic
     def snapshot(self, line: str) -> None:
-        """Snapshot this kernel, whole: ``%snapshot [-m MESSAGE] [-t THREAD]``."""
+        """Snapshot this kernel, whole: ``%snapshot [-m MESSAGE] [-t THREAD] [-w]``."""
         args = parse_argstring(self.snapshot, line)
         described = False
         try:
-            hooks.run_quiesce()
+            quiesced = hooks.run_quiesce()
             request_id = uuid.uuid4().hex
             body = {
                 "kernel_id": kernel_id(), "message": args.message, "from_kernel": True,
@@ -62,10 +65,12 @@ class InfinijupMagics(Magics):
                 described = True
             except Exception:  # a commit without a description rather than no commit
                 pass
+            if quiesced.get("gpu_release"):
+                body.setdefault("metadata", {})["gpu_release"] = quiesced["gpu_release"]
             if args.thread:
                 body["thread"] = args.thread
             request("POST", "/infinijup/snapshot", body)
-            result = wait_result(request_id, SNAPSHOT_TIMEOUT_S)
+            result = wait_result(request_id, SNAPSHOT_TIMEOUT_S, dumped=not args.wait)
             if "error" in result:
                 err = result["error"]
                 raise ServerError(0, err.get("message", "unknown error"), err.get("reason", "error"))
@@ -75,8 +80,14 @@ class InfinijupMagics(Magics):
             raise _failed("Snapshot", err) from None
         finally:
             hooks.run_resume(False)
-        describe.committed()
         stats = result.get("stats", {})
+        if "commit" not in result:  # dumped; the server stores it now (events say when done)
+            print(f"Snapshot taken on thread '{result.get('thread')}' "
+                  f"({_size(stats.get('image_bytes'))} image, paused "
+                  f"{stats.get('pause_s', 0):.2f} s); being stored: %snapshots lists it once "
+                  "it is safe in the store")
+            return
+        describe.committed()
         print(
             f"Snapshot {result['commit'][:12]} on thread '{result['thread']}' "
             f"({_size(stats.get('image_bytes'))} image, {_size(stats.get('stored_bytes'))} new, "

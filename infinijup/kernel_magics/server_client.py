@@ -58,19 +58,26 @@ def request(method: str, path: str, body: dict | None = None, timeout: float = 6
     return json.loads(raw or b"{}")
 
 
-def wait_result(request_id: str, timeout: float) -> dict:
+def wait_result(request_id: str, timeout: float, dumped: bool = False) -> dict:
     """Wait for the server's result file of an operation this kernel asked for.
 
     Polling a file keeps no connection open while the kernel is dumped; a kernel restored from
-    that snapshot wakes up here too and reads the same result.
+    that snapshot wakes up here too and reads the same result. ``dumped``: a snapshot's early
+    answer (``<id>.dumped.json``, written once the kernel is dumped, before the store has the
+    commit) will do too; the final one is preferred when both are there.
     """
-    path = Path(config.results_dir()) / f"{request_id}.json"
+    directory = Path(config.results_dir())
+    paths = [directory / f"{request_id}.json"]
+    if dumped:
+        paths.append(directory / f"{request_id}.dumped.json")
     deadline = time.monotonic() + timeout
     delay = 0.01
     while time.monotonic() < deadline:
-        try:
-            return json.loads(path.read_text())
-        except (FileNotFoundError, ValueError):
-            time.sleep(delay)
-            delay = min(delay * 1.5, 0.2)
+        for path in paths:
+            try:
+                return json.loads(path.read_text())
+            except (FileNotFoundError, ValueError):
+                pass
+        time.sleep(delay)
+        delay = min(delay * 1.5, 0.2)
     raise ServerError(0, f"no result for request {request_id} after {timeout:.0f} s", "timeout")

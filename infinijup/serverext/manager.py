@@ -3,6 +3,9 @@
 One operation at a time per kernel (a second gets 409). Each phase change is published on
 jupyter_server's event bus. Blocking work (helper calls, store I/O) runs in threads so the
 server keeps serving while a kernel is dumped.
+
+A snapshot resumes the kernel as soon as it is dumped (resume hooks; ``%snapshot`` gets an
+early answer) and stores the images meanwhile; it answers once the commit is durable.
 """
 
 from __future__ import annotations
@@ -14,12 +17,13 @@ import time
 import uuid
 from pathlib import Path
 
-from traitlets import Float, Unicode, default
+from traitlets import Float, Integer, Unicode, default
 from traitlets.config import LoggingConfigurable
 
 from .. import __version__, config
 from ..engine import Head, SnapshotEngine, plan_snapshot
 from ..engine.heads import head_after_restore
+from ..engine.hot_tier import default_budget
 from ..engine.kernel_channel import run_agent, wait_answering
 from ..engine.naming import (
     DEFAULT_THREAD,
@@ -62,10 +66,18 @@ class SnapshotManager(LoggingConfigurable):
     busy_timeout = Float(30.0, help="Seconds a snapshot or restore waits for a busy kernel "
                                     "before answering 409.").tag(config=True)
     answer_timeout = Float(60.0, help="Seconds a restored kernel has to answer.").tag(config=True)
+    hot_tier_bytes = Integer(help="Bytes of recent snapshots' images kept ready in the helper's "
+                                  "work dir, so that restoring them skips the store checkout "
+                                  "(default: a quarter of the memory, at most 8 GiB; 0: none)."
+                             ).tag(config=True)
 
     @default("store_path")
     def _default_store_path(self) -> str:
         return str(default_store_path())
+
+    @default("hot_tier_bytes")
+    def _default_hot_tier_bytes(self) -> int:
+        return default_budget()
 
     def __init__(self, serverapp, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -89,7 +101,8 @@ class SnapshotManager(LoggingConfigurable):
         return self._repo
 
     def engine(self) -> SnapshotEngine:
-        return SnapshotEngine(self.repo(), HelperClient(config.helper_socket()))
+        return SnapshotEngine(self.repo(), HelperClient(config.helper_socket()),
+                              hot_tier_bytes=self.hot_tier_bytes)
 
     def _kernel(self, kernel_id: str):
         if kernel_id not in self.kernel_manager.list_kernel_ids():
@@ -129,19 +142,24 @@ class SnapshotManager(LoggingConfigurable):
         self._heads[kernel_id] = head
         self._launches[kernel_id] = getattr(prov, "launches", 0)
 
-    def _begin(self, kernel_id: str, op: str, path: str) -> dict:
-        if kernel_id in self._ops:
-            running = self._ops[kernel_id]
-            raise Conflict(f"a {running['op']} of this kernel is already running "
-                           f"(phase {running['phase']})", reason="operation_running")
+    async def _begin(self, kernel_id: str, op: str, path: str) -> dict:
+        """Start an operation: 409 while another one works on the kernel; after a snapshot
+        that only stores its images now (the kernel runs again), it waits its turn."""
+        while (running := self._ops.get(kernel_id)) is not None:
+            if not running.get("released"):
+                raise Conflict(f"a {running['op']} of this kernel is already running "
+                               f"(phase {running['phase']})", reason="operation_running")
+            await running["finished"].wait()
         state = {"op": op, "op_id": uuid.uuid4().hex, "kernel_id": kernel_id, "path": path,
-                 "phase": "queued", "percent": 0}
+                 "phase": "queued", "percent": 0, "finished": asyncio.Event()}
         self._ops[kernel_id] = state
         self._emit(state, "queued", 0)
         return state
 
     def _end(self, state: dict) -> None:
-        self._ops.pop(state["kernel_id"], None)
+        if self._ops.get(state["kernel_id"]) is state:
+            self._ops.pop(state["kernel_id"])
+        state["finished"].set()
         self._last[state["kernel_id"]] = {k: state.get(k) for k in
                                           ("op", "op_id", "phase", "commit", "reason")}
 
@@ -165,7 +183,8 @@ class SnapshotManager(LoggingConfigurable):
 
         def report(phase: str, detail: dict) -> None:
             pct = detail.get("percent", percents.get(phase, state["percent"]))
-            loop.call_soon_threadsafe(self._emit, state, phase, pct)
+            loop.call_soon_threadsafe(lambda: self._emit(state, phase, pct,
+                                                         message=detail.get("message")))
 
         return report
 
@@ -175,13 +194,17 @@ class SnapshotManager(LoggingConfigurable):
     # --- snapshot ------------------------------------------------------------------------
     async def snapshot(self, kernel_id: str, *, message: str = "", thread: str | None = None,
                        from_kernel: bool = False, execution_count: int | None = None,
-                       described: dict | None = None) -> dict:
+                       described: dict | None = None, request_id: str | None = None) -> dict:
+        """Quiesce, dump, resume, store: the kernel runs again once it is dumped (resume hooks
+        now, not after the ingest; ``%snapshot``'s early answer), and the answer comes once
+        the commit is durable."""
         km = self._kernel(kernel_id)
         prov = self._provisioner(km)
         if thread is not None:
             check_thread_name(thread)
         path = await self._path(kernel_id)
-        state = self._begin(kernel_id, "snapshot", path)
+        state = await self._begin(kernel_id, "snapshot", path)
+        early: list = []  # the resume (or early answer) started once the kernel was dumped
         try:
             t0 = time.perf_counter()
             if not from_kernel:
@@ -190,70 +213,115 @@ class SnapshotManager(LoggingConfigurable):
                 execution_count = info.get("execution_count")
                 described = info
             t_quiesce = time.perf_counter() - t0
+            loop = asyncio.get_running_loop()
+
+            def on_dumped(dumped, thread_name: str) -> None:  # in the engine's thread
+                state["running_again_s"] = time.perf_counter() - t0
+                state["released"] = True  # the next operation may queue behind the ingest
+                loop.call_soon_threadsafe(lambda: self._emit(
+                    state, "store", 60, message="the kernel runs again; storing its images"))
+                early.append(asyncio.run_coroutine_threadsafe(
+                    self._dumped(state, km, dumped, thread_name, from_kernel, request_id), loop))
+
+            described = agent.commit_metadata(described)
             try:
                 result, plan = await self._dump_and_commit(
-                    km, prov, state, path, message, thread, execution_count,
-                    agent.commit_metadata(described))
+                    km, prov, state, path, message, thread, execution_count, described,
+                    on_dumped)
             except Exception:
+                await self._settle(early)
                 if not from_kernel:  # no commit: the kernel keeps its parent's fingerprints
                     try:
                         await run_agent(km, agent.expression("forget"), self.busy_timeout)
                     except InfinijupError:
                         pass
+                    if not early:
+                        await self._resume(km, restored=False)
                 raise
-            finally:
-                if not from_kernel:
-                    await self._resume(km, restored=False)
+            await self._settle(early)
+            if not from_kernel and not early:
+                await self._resume(km, restored=False)
             commit = result.commit
             self._set_head(kernel_id, Head(commit=commit.id, thread=plan.thread,
                                            base_thread=plan.thread), prov)
             self._emit(state, "done", 100, commit=commit.id, thread=plan.thread)
-            return {
-                "commit": commit.id, "thread": plan.thread, "parents": list(commit.parents),
-                "stats": {"image_bytes": result.image_bytes, "stored_bytes": result.stored_bytes,
-                          "pause_s": result.pause_s, "quiesce_s": t_quiesce,
-                          "duration_s": time.perf_counter() - t0},
-            }
+            stats = {"image_bytes": result.image_bytes, "stored_bytes": result.stored_bytes,
+                     "pause_s": result.pause_s, "quiesce_s": t_quiesce,
+                     "running_again_s": state.get("running_again_s"),
+                     "store_s": result.phases.get("store_s"), "hot": result.hot,
+                     "duration_s": time.perf_counter() - t0}
+            if described.get("gpu_release"):
+                stats["gpu_release"] = described["gpu_release"]
+            return {"commit": commit.id, "thread": plan.thread, "parents": list(commit.parents),
+                    "stats": stats}
         except InfinijupError as exc:
             self._emit(state, "error", 100, message=exc.message, reason=exc.reason)
             raise
         finally:
             self._end(state)
 
+    async def _dumped(self, state, km, dumped, thread_name, from_kernel, request_id) -> None:
+        """The kernel is dumped and runs again: let it go on while the store takes the
+        images in."""
+        if from_kernel:
+            if request_id is not None:  # %snapshot returns now (unless it waits: -w)
+                self._write_result(request_id, {
+                    "dumped": True, "thread": thread_name,
+                    "stats": {"image_bytes": dumped.image_bytes, "pause_s": dumped.pause_s}},
+                    suffix=".dumped")
+        else:
+            await self._resume(km, restored=False, committed=False)
+
+    @staticmethod
+    async def _settle(early: list) -> None:
+        for fut in early:
+            try:
+                await asyncio.wrap_future(fut)
+            except Exception:  # logged where it failed; the snapshot goes on
+                pass
+
     async def _dump_and_commit(self, km, prov, state, path, message, thread, execution_count,
-                               described=None):
+                               described=None, on_dumped=None):
         repo = self.repo()
         key = notebook_key(path)
-        head = self._head(km.kernel_id)
-        conflict = None
-        for _ in range(3):  # a thread moved by someone else: plan again, on a new thread
-            threads = notebook_threads(await asyncio.to_thread(repo.threads), key)
-            plan = plan_snapshot(head, threads, thread)
+        planned = {"head": self._head(km.kernel_id), "thread": thread}
+        connection = self._connection(km)
+
+        def plan_now() -> dict:  # in a worker thread
+            plan = plan_snapshot(planned["head"], notebook_threads(repo.threads(), key),
+                                 planned["thread"])
+            planned["plan"] = plan
             metadata = {
                 "notebook_path": path, "notebook_key": key, "thread": plan.thread,
                 "kernel_id": km.kernel_id, "kernel_name": km.kernel_name,
-                "execution_count": execution_count, "connection": self._connection(km),
+                "execution_count": execution_count, "connection": connection,
                 "infinijup_version": __version__, "gpu": None, **(described or {}),
             }
-            self._emit(state, "dump", 30)
-            try:
-                result = await asyncio.to_thread(
-                    self.engine().snapshot, prov.root_pid,
-                    thread=store_thread(key, plan.thread), message=message, metadata=metadata,
-                    parents=list(plan.parents), expected_tip=plan.expected_tip,
-                    on_progress=self._progress(state))
-                return result, plan
-            except Conflict as exc:
-                if getattr(exc, "reason", "") == "operation_running":
-                    raise
-                conflict = exc
-                thread = None
-                head = Head(commit=head.commit, thread=None, base_thread=plan.thread)
-        raise conflict
+            return {"thread": store_thread(key, plan.thread), "metadata": metadata,
+                    "parents": list(plan.parents), "expected_tip": plan.expected_tip}
 
-    async def _resume(self, km, restored: bool) -> None:
+        def replan(_conflict) -> dict:
+            """The thread moved meanwhile (someone else snapshotted onto it): the same images
+            go to a new thread."""
+            old = planned["plan"]
+            planned["head"] = Head(commit=planned["head"].commit, thread=None,
+                                   base_thread=old.thread)
+            planned["thread"] = None
+            return plan_now()
+
+        target = await asyncio.to_thread(plan_now)
+        self._emit(state, "dump", 30)
+        result = await asyncio.to_thread(
+            self.engine().snapshot, prov.root_pid, message=message,
+            on_progress=self._progress(state), replan=replan,
+            on_dumped=(lambda d: on_dumped(d, planned["plan"].thread)) if on_dumped else None,
+            **target)
+        return result, planned["plan"]
+
+    async def _resume(self, km, restored: bool, committed: bool = True) -> None:
         try:
-            await run_agent(km, agent.expression("resume", restored), self.busy_timeout)
+            await run_agent(km, agent.expression("resume", restored, committed),
+                            self.busy_timeout)
         except InfinijupError as exc:
             self.log.warning("infinijup: resume hooks of %s: %s", km.kernel_id, exc.message)
 
@@ -266,7 +334,7 @@ class SnapshotManager(LoggingConfigurable):
             try:
                 out = await self.snapshot(kernel_id, message=message, thread=thread,
                                           from_kernel=True, execution_count=execution_count,
-                                          described=described)
+                                          described=described, request_id=request_id)
             except InfinijupError as exc:
                 out = {"error": {"message": exc.message, "reason": exc.reason}}
             except Exception as exc:  # the kernel is waiting: it must hear back
@@ -277,13 +345,13 @@ class SnapshotManager(LoggingConfigurable):
         self._spawn(run())
         return {"request_id": request_id}
 
-    def _write_result(self, request_id: str, out: dict) -> None:
+    def _write_result(self, request_id: str, out: dict, suffix: str = "") -> None:
         directory = Path(os.environ.get(config.RESULTS_DIR_ENV) or config.results_dir())
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        tmp = directory / f".{request_id}.tmp"
+        tmp = directory / f".{request_id}{suffix}.tmp"
         tmp.write_text(json.dumps(out))
         os.chmod(tmp, 0o600)
-        os.replace(tmp, directory / f"{request_id}.json")
+        os.replace(tmp, directory / f"{request_id}{suffix}.json")
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)
@@ -317,14 +385,15 @@ class SnapshotManager(LoggingConfigurable):
                                  self._connection(km))
         gpu_pairs = await asyncio.to_thread(plan_gpu_restore, commit.metadata or {},
                                             force=force, requested=gpu_map)
-        state = self._begin(kernel_id, "restore", path)
+        state = await self._begin(kernel_id, "restore", path)
         t0 = time.perf_counter()
         try:
             if wait_idle:
                 await self._wait_idle(km)
             self._emit(state, "store", 10)
             engine = self.engine()
-            images = await asyncio.to_thread(engine.materialize, commit_id)
+            source: dict = {}
+            images = await asyncio.to_thread(engine.materialize, commit_id, source)
             info = km.get_connection_info()
             ports = [info[k] for k in ("shell_port", "iopub_port", "stdin_port", "control_port")]
             connected = connections_to(ports)
@@ -333,7 +402,8 @@ class SnapshotManager(LoggingConfigurable):
                 result = await asyncio.to_thread(
                     engine.restore, images, prov.root_pid, self._progress(state), gpu_pairs,
                     retarget.port_map, None if retarget.same_session else prov.log_path)
-                pid, phases = result.pid, dict(result.phases)
+                pid, phases = result.pid, {**result.phases, "checkout_s": source["checkout_s"],
+                                           "images": source["source"]}
             except RestoreFailed as exc:
                 pid = await self._find_orphan(km, prov, exc)
                 if pid is None:
@@ -542,6 +612,11 @@ class SnapshotManager(LoggingConfigurable):
         if kernel_id is not None:
             self._kernel(kernel_id)
             path = await self._path(kernel_id)
+            running = self._ops.get(kernel_id)
+            if running is not None and running.get("released"):
+                # a snapshot the kernel has gone on from is being stored: it is part of the
+                # kernel's history, so the answer waits for it (read your own snapshots)
+                await running["finished"].wait()
         return await asyncio.to_thread(self._history, path, kernel_id)
 
     def _history(self, path: str, kernel_id: str | None) -> dict:

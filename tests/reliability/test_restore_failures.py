@@ -25,6 +25,13 @@ from reliakit import (
 pytestmark = [needs_helper, pytest.mark.timeout(240)]
 
 
+@pytest.fixture
+def jp_server_config(jp_server_config):
+    """These restores must read their images from the store: no hot tier (hot_tier.py)."""
+    jp_server_config["SnapshotManager"]["hot_tier_bytes"] = 0
+    return jp_server_config
+
+
 def _pages_chunk(store: str, commit_id: str) -> tuple[Path, int, int]:
     """Pack file, offset and length of a chunk in the middle of the commit's largest image."""
     from infinijup.store import Repository

@@ -1,0 +1,140 @@
+"""The quiesce step that gives back what GPU libraries cache but do not use (gpu_sync.py).
+
+Without torch nothing happens and nothing is reported. The logic with torch is tested on a small
+stand-in module put into ``sys.modules`` (this machine has no GPU; the real thing is exercised
+on the GPU machine by tests/kernel/test_gpu_kernel.py and bench/gpu_bench.py): only devices
+holding a context are touched, the work is synchronized before the cache is emptied, live
+memory stays, and the numbers reach the commit's metadata through the agent.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from infinijup.kernel_magics import agent, gpu_sync, hooks
+
+
+class FakeCuda:
+    """Two devices; PyTorch has a context on device 0 only. Reserved = live + cached."""
+
+    def __init__(self, initialized: bool = True) -> None:
+        self.initialized = initialized
+        self.live = {0: 9_300, 1: 0}
+        self.cached = {0: 9_200, 1: 0}
+        self.calls: list[tuple] = []
+        self.tensor = bytearray(b"weights")  # a live tensor's bytes: never touched
+
+    def is_initialized(self) -> bool:
+        return self.initialized
+
+    def device_count(self) -> int:
+        return 2
+
+    def synchronize(self, dev: int) -> None:
+        self.calls.append(("synchronize", dev))
+
+    def memory_reserved(self, dev: int) -> int:
+        self.calls.append(("reserved", dev))
+        return self.live[dev] + self.cached[dev]
+
+    def memory_allocated(self, dev: int) -> int:
+        return self.live[dev]
+
+    def empty_cache(self) -> None:
+        self.calls.append(("empty_cache",))
+        self.cached = {dev: 0 for dev in self.cached}
+
+
+def fake_torch(cuda: FakeCuda) -> types.ModuleType:
+    torch = types.ModuleType("torch")
+    torch.cuda = cuda
+    torch._C = types.SimpleNamespace(_cuda_hasPrimaryContext=lambda dev: dev == 0)
+    return torch
+
+
+@pytest.fixture
+def no_gpu_libraries(monkeypatch):
+    for name in ("torch", "cupy", "jax"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.delenv(gpu_sync.KEEP_CACHE_ENV, raising=False)
+
+
+def test_without_torch_nothing_happens(no_gpu_libraries):
+    before = set(sys.modules)
+    assert gpu_sync.release_cached_memory() == {}
+    info = hooks.run_quiesce()
+    assert "gpu_release" not in info
+    assert set(sys.modules) == before  # nothing imported (no torch, no CUDA)
+
+
+def test_release_frees_the_cache_of_devices_in_use(no_gpu_libraries, monkeypatch):
+    cuda = FakeCuda()
+    monkeypatch.setitem(sys.modules, "torch", fake_torch(cuda))
+    report = gpu_sync.release_cached_memory()
+    assert report == {"torch": {"reserved_before": 18_500, "reserved_after": 9_300,
+                                "allocated": 9_300},
+                      "reserved_before": 18_500, "reserved_after": 9_300, "allocated": 9_300}
+    # device 1 (no context) was never touched; the work finished before the cache went
+    assert all(call[1:] in ((), (0,)) for call in cuda.calls), cuda.calls
+    assert cuda.calls.index(("synchronize", 0)) < cuda.calls.index(("empty_cache",))
+    assert cuda.live == {0: 9_300, 1: 0} and cuda.tensor == bytearray(b"weights")
+
+
+def test_no_cuda_context_no_release(no_gpu_libraries, monkeypatch):
+    cuda = FakeCuda(initialized=False)
+    monkeypatch.setitem(sys.modules, "torch", fake_torch(cuda))
+    assert gpu_sync.release_cached_memory() == {}
+    assert cuda.calls == []  # not even a query: it could initialize CUDA
+
+
+def test_release_can_be_switched_off(no_gpu_libraries, monkeypatch):
+    cuda = FakeCuda()
+    monkeypatch.setitem(sys.modules, "torch", fake_torch(cuda))
+    monkeypatch.setenv(gpu_sync.KEEP_CACHE_ENV, "1")
+    assert gpu_sync.release_cached_memory() == {}
+    assert cuda.cached[0] == 9_200
+
+
+def test_a_failing_library_is_reported_not_raised(no_gpu_libraries, monkeypatch):
+    cuda = FakeCuda()
+
+    def broken() -> None:
+        raise RuntimeError("CUDA error: out of memory")
+
+    cuda.empty_cache = broken
+    monkeypatch.setitem(sys.modules, "torch", fake_torch(cuda))
+    report = gpu_sync.release_cached_memory()
+    assert report["torch"] == {"error": "RuntimeError: CUDA error: out of memory"}
+    assert report["reserved_before"] == 0
+
+
+def test_the_release_runs_after_the_hooks_and_reaches_the_commit(no_gpu_libraries, monkeypatch):
+    cuda = FakeCuda()
+    monkeypatch.setitem(sys.modules, "torch", fake_torch(cuda))
+
+    def free_a_buffer() -> None:  # a library's hook drops a tensor it no longer needs
+        cuda.live[0] -= 300
+        cuda.cached[0] += 300
+
+    hooks.register_quiesce_hook(free_a_buffer)
+    try:
+        info = hooks.run_quiesce()
+    finally:
+        hooks.unregister_hook(free_a_buffer)
+    assert info["gpu_release"]["allocated"] == 9_000
+    assert info["gpu_release"]["reserved_after"] == 9_000
+    meta = agent.commit_metadata({**info, "cell": {"execution_count": 3, "source": "x"}})
+    assert meta["gpu_release"] == info["gpu_release"]
+
+
+def test_commit_metadata_keeps_only_byte_counts():
+    meta = agent.commit_metadata({"gpu_release": {
+        "reserved_before": 10, "reserved_after": -1, "allocated": "many",
+        "torch": {"reserved_before": 10, "evil": "x" * 10_000, "error": "e" * 500},
+        "other": {"reserved_before": 1}}})
+    assert meta == {"gpu_release": {"reserved_before": 10,
+                                    "torch": {"reserved_before": 10, "error": "e" * 200}}}
+    assert agent.commit_metadata({"gpu_release": "lots"}) == {}
