@@ -163,6 +163,11 @@ class HelperClient:
         r = self.call("status", {"pid": pid})
         return ProcessStatus(bool(r["alive"]), r["exit_code"])
 
+    def trees(self) -> list[int]:
+        """Root pids of the caller's live kernel trees, as the helper recorded them when it
+        spawned or restored them (also across a helper restart)."""
+        return [int(t["pid"]) for t in self.call("trees", {})["trees"]]
+
     # --- transport ----------------------------------------------------------------------------
 
     def _connect(self) -> socket.socket:

@@ -1,5 +1,11 @@
 """``python -m infinijup_helper [--socket PATH] [--work DIR] [--criu PATH] [--pycriu DIR]
-[--daemon --pidfile PATH --log PATH]``: run the privileged helper (as root)."""
+[--daemon --pidfile PATH --log PATH] [limits...]``: run the privileged helper (as root).
+
+Limits (see limits.py and docs/security.md): ``--criu-timeout S`` (the CRIU watchdog's base),
+``--max-trees-per-user N``, ``--max-connections-per-user N``, ``--max-ops-per-user N``,
+``--max-connections N``, ``--request-timeout S``, ``--idle-timeout S``,
+``--kernel-rlimit NAME=SOFT:HARD`` (repeatable; caps on top of the caller's own limits, e.g.
+``RLIMIT_NPROC=512:512``; ``-1`` is unlimited)."""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ import sys
 from .config import (
     HelperConfig,
     default_criu,
+    default_nsinit_python,
     default_pycriu,
     default_socket,
     default_work,
@@ -25,6 +32,7 @@ from .daemon import (
     running_instance,
     write_pidfile,
 )
+from .limits import Limits
 
 log = logging.getLogger("infinijup_helper")
 
@@ -46,6 +54,23 @@ def parse_args(argv: list[str] | None) -> HelperConfig:
     parser.add_argument("--daemon", action="store_true", help="detach; return once serving")
     parser.add_argument("--pidfile", help="write the helper's pid here")
     parser.add_argument("--log", help="log file (with --daemon; default: discard)")
+    parser.add_argument("--nsinit-python", default=default_nsinit_python(),
+                        help="interpreter of every tree's init (every user must be able to run "
+                             "it, only root to change it)")
+    defaults = Limits()
+    parser.add_argument("--criu-timeout", type=float, default=300.0,
+                        help="CRIU watchdog: seconds per run, plus 1 s per 16 MiB moved")
+    parser.add_argument("--max-trees-per-user", type=int, default=defaults.trees_per_user)
+    parser.add_argument("--max-connections-per-user", type=int,
+                        default=defaults.connections_per_user)
+    parser.add_argument("--max-ops-per-user", type=int, default=defaults.ops_per_user)
+    parser.add_argument("--max-connections", type=int, default=defaults.max_connections)
+    parser.add_argument("--request-timeout", type=float, default=defaults.request_timeout_s,
+                        help="seconds for a request line to arrive whole")
+    parser.add_argument("--idle-timeout", type=float, default=defaults.idle_timeout_s,
+                        help="seconds a connection may wait between requests")
+    parser.add_argument("--kernel-rlimit", action="append", default=[], metavar="NAME=SOFT:HARD",
+                        help="cap a kernel's resource limit below the caller's own")
     ns = parser.parse_args(argv)
     if not ns.criu:
         parser.error(
@@ -60,7 +85,34 @@ def parse_args(argv: list[str] | None) -> HelperConfig:
         pidfile=os.path.abspath(ns.pidfile) if ns.pidfile else None,
         log_path=os.path.abspath(ns.log) if ns.log else None,
         pid_namespace={"auto": None, "always": True, "never": False}[ns.pid_namespace],
+        nsinit_python=ns.nsinit_python,
+        criu_timeout_s=ns.criu_timeout,
+        limits=Limits(
+            max_connections=ns.max_connections,
+            connections_per_user=ns.max_connections_per_user,
+            ops_per_user=ns.max_ops_per_user,
+            trees_per_user=ns.max_trees_per_user,
+            idle_timeout_s=ns.idle_timeout,
+            request_timeout_s=ns.request_timeout,
+            rlimit_caps=_rlimit_caps(parser, ns.kernel_rlimit),
+        ),
     )
+
+
+def _rlimit_caps(parser: argparse.ArgumentParser, specs: list[str]) -> dict[str, tuple[int, int]]:
+    from .limits import PROC_LIMIT_NAMES
+
+    caps = {}
+    for spec in specs:
+        name, _, values = spec.partition("=")
+        soft, _, hard = values.partition(":")
+        try:
+            caps[name] = (int(soft), int(hard or soft))
+        except ValueError:
+            parser.error(f"--kernel-rlimit {spec!r}: expected NAME=SOFT:HARD")
+        if name not in PROC_LIMIT_NAMES:
+            parser.error(f"--kernel-rlimit {spec!r}: unknown {name}; one of {sorted(PROC_LIMIT_NAMES)}")
+    return caps
 
 
 def serve(config: HelperConfig, ready: Ready) -> int:
@@ -70,6 +122,7 @@ def serve(config: HelperConfig, ready: Ready) -> int:
     from .ops import Features, Operations
     from .paths import WorkDirs
     from .reaper import Reaper, become_subreaper
+    from .registry import REGISTRY_SUFFIX, Registry
     from .seal import Sealer
     from .server import HelperServer
 
@@ -81,14 +134,19 @@ def serve(config: HelperConfig, ready: Ready) -> int:
     try:
         become_subreaper()
         work = WorkDirs(config.work_dir)
-        work.prepare()
-        criu = Criu(CriuSettings(config.criu_binary, config.pycriu_path))
-        reaper = Reaper()
-        ops = Operations(work, criu, reaper, Sealer(os.path.join(work.root, ".seal-key")),
+        work.prepare(os.path.join(os.path.dirname(os.path.abspath(__file__)), "nsinit.py"))
+        criu = Criu(CriuSettings(config.criu_binary, config.pycriu_path,
+                                 timeout_s=config.criu_timeout_s))
+        registry = Registry(config.socket_path + REGISTRY_SUFFIX)
+        reaper = Reaper(registry)
+        ops = Operations(work, criu, registry, Sealer(os.path.join(work.root, ".seal-key")),
+                         python=config.nsinit_python,
                          features=Features.detect(),
-                         pid_namespace=config.pid_namespace)
+                         pid_namespace=config.pid_namespace,
+                         limits=config.limits)
         server = HelperServer(config.socket_path, ops)
         server.bind()
+        registry.load()  # beside the socket: its directory was checked by bind()
     except Exception as exc:  # noqa: BLE001 - say why we could not start, then exit
         log.exception("cannot start")
         ready(f"{type(exc).__name__}: {exc}")

@@ -1,11 +1,14 @@
 """The dump and restore pipelines: their contexts and stages (see stages.py for the runner).
 
-Both keep CRIU away from anything the caller can touch while it runs as root:
+Both keep CRIU's inputs and outputs out of the caller's reach while it runs (as the caller, for
+a non-root caller: see creds.py):
 
-* a dump writes into a root-only staging dir; only after the images pass the credential check
-  are they sealed, given to the caller and renamed into ``images_dir`` in one step;
+* a dump writes into a staging dir only the helper can reach by path; only after the images
+  pass the credential check are they sealed, given to the caller and renamed into
+  ``images_dir`` in one step;
 * a restore first copies the sealed metadata files (checking each against the seal) and
-  hard-links the bulk page files into a root-only staging dir, and CRIU reads only that.
+  hard-links the bulk page files into such a staging dir, and CRIU reads only that; while it
+  runs, the linked page files are watched for a change of size (see ``_link_or_copy``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import stat
 import time
 from dataclasses import dataclass, field
 
+from .creds import RunAs
 from .criu import (
     Criu,
     check_creds,
@@ -30,7 +34,7 @@ from .criu import (
 from .paths import Staging, WorkDirs
 from .proc import Caller, read_proc, tree_members
 from .protocol import RequestError
-from .reaper import Reaper
+from .registry import Held, Registry
 from .retarget import RetargetPlan
 from .seal import FileSeal, Sealer, is_sealed_name, untrusted
 from .stages import StageBase
@@ -43,74 +47,87 @@ COPY_CHUNK = 1 << 20
 # Killing a tree
 
 
-def terminate_tree(pidfd: int, pid: int, reaper: Reaper, timeout: float = KILL_TIMEOUT_S) -> None:
-    """SIGKILL a namespace init (through its pidfd, so never a recycled pid) and wait until it
-    is gone: reaped by us if it is our child, else exited (its own parent reaps it).
+def terminate_tree(tree: Held, timeout: float = KILL_TIMEOUT_S) -> None:
+    """SIGKILL a held tree's root (through its pidfd, so never a recycled pid) and wait until
+    it is gone, reaped through its pidfd when it is the helper's child.
 
     Killing a PID namespace's init makes the kernel kill every other process in it, and the
     init only becomes reapable once they are all gone, so this waits for the whole tree.
+    Without a PID namespace each member is killed through a pidfd taken while it was a
+    verified descendant of the held root.
     """
-    info = read_proc(pid)
-    members: dict[int, int] = {}
-    if info is not None and not info.is_namespace_init:
-        # No PID namespace to take the tree down with its init: end every member too.
-        for member in tree_members(pid)[1:]:
-            try:
-                members[member] = os.pidfd_open(member)
-                os.kill(member, signal.SIGKILL)
-            except (ProcessLookupError, OSError):
-                pass
+    members = {} if tree.tree.namespace else member_pidfds(tree)
     try:
-        _kill_root(pidfd, pid, reaper, timeout)
-    finally:
+        for fd in members.values():
+            try:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            signal.pidfd_send_signal(tree.pidfd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if not _wait_readable(tree.pidfd, timeout):
+            raise RequestError("timeout", f"process {tree.pid} did not exit within {timeout:.0f} s")
+        tree.reap()
         _reap_members(members, timeout)
+    finally:
+        for fd in members.values():
+            os.close(fd)
+
+
+def member_pidfds(tree: Held) -> dict[int, int]:
+    """pid -> pidfd of every process below a held root, each opened while it was a descendant
+    of that root (checked after the open, so a pid recycled meanwhile is left out)."""
+    out: dict[int, int] = {}
+    for member in tree_members(tree.pid)[1:]:
+        try:
+            fd = os.pidfd_open(member)
+        except OSError:
+            continue
+        if _descends_from(member, tree.pid) and tree.alive():
+            out[member] = fd
+        else:
+            os.close(fd)
+    return out
+
+
+def _descends_from(pid: int, root: int) -> bool:
+    seen = 0
+    while pid > 1 and seen < 64:
+        info = read_proc(pid)
+        if info is None:
+            return False
+        if info.ppid == root:
+            return True
+        pid, seen = info.ppid, seen + 1
+    return False
+
+
+def _wait_readable(pidfd: int, timeout: float) -> bool:
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(int(timeout * 1000)))
 
 
 def _reap_members(members: dict[int, int], timeout: float) -> None:
     """Wait until each member has exited and been reaped: its pid must be free for a restore.
 
     Orphaned by the init's death, members are reparented to the helper (a subreaper), whose
-    reaper only waits for tree roots: reap them here.
+    reaper only waits for tree roots: reap them here, through their pidfds.
     """
     deadline = time.monotonic() + timeout
     for member, fd in members.items():
-        try:
-            poller = select.poll()
-            poller.register(fd, select.POLLIN)
-            poller.poll(int(max(0.0, deadline - time.monotonic()) * 1000))
-            while time.monotonic() < deadline:
-                try:
-                    if os.waitpid(member, os.WNOHANG)[0] == member:
-                        break
-                except ChildProcessError:
-                    info = read_proc(member)
-                    if info is None:
-                        break  # reaped by its own parent
-                time.sleep(0.005)
-        finally:
-            os.close(fd)
-
-
-def _kill_root(pidfd: int, pid: int, reaper: Reaper, timeout: float) -> None:
-    try:
-        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    if reaper.is_tracked(pid):
-        if reaper.wait_reaped(pid, timeout) is None and reaper.is_tracked(pid):
-            raise RequestError("timeout", f"process {pid} did not exit within {timeout:.0f} s")
-        return
-    deadline = time.monotonic() + timeout
-    poller = select.poll()
-    poller.register(pidfd, select.POLLIN)
-    if not poller.poll(int(timeout * 1000)):
-        raise RequestError("timeout", f"process {pid} did not exit within {timeout:.0f} s")
-    # Exited; give its parent (init, after a helper restart) a moment to reap it.
-    while time.monotonic() < deadline:
-        info = read_proc(pid)
-        if info is None or info.is_zombie:
-            return
-        time.sleep(0.01)
+        _wait_readable(fd, max(0.0, deadline - time.monotonic()))
+        while time.monotonic() < deadline:
+            try:
+                if os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG) is not None:
+                    break
+            except ChildProcessError:
+                info = read_proc(member)
+                if info is None or not _descends_from(member, os.getpid()):
+                    break  # reaped by its own parent
+            time.sleep(0.005)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,13 +137,22 @@ def _kill_root(pidfd: int, pid: int, reaper: Reaper, timeout: float) -> None:
 @dataclass
 class DumpJob:
     caller: Caller
-    pid: int
+    tree: Held
     leave_running: bool
     allowed_gids: tuple[int, ...]
     staging: Staging
     parent_fd: int
     name: str
+    run_as: RunAs | None = None  # CRIU as the caller (None: as root)
+    init_groups: tuple[int, ...] = ()  # what the caller's init may hold besides their own
+    init_caps: tuple[int, ...] = ()
+    deadline_s: float = 300.0
+    lock_key: object | None = None
     image_bytes: int = 0
+
+    @property
+    def pid(self) -> int:
+        return self.tree.pid
 
 
 class CriuDump(StageBase):
@@ -136,7 +162,18 @@ class CriuDump(StageBase):
         self.criu = criu
 
     def run(self, job: DumpJob) -> None:
-        self.criu.dump(job.pid, job.staging.fd, leave_running=job.leave_running)
+        def still_ours(action: str, _pid: int | None) -> None:
+            # The tree is dumped and still frozen. CRIU found it by pid; that pid is the held
+            # root's only if the root is alive now (alive at authorization and now, it kept
+            # its pid throughout). Otherwise CRIU resumes whatever it dumped, and nothing
+            # of it is published.
+            if action == "post-dump" and not job.tree.alive():
+                raise RequestError("no_such_process",
+                                   f"the tree of {job.pid} exited while it was being dumped")
+
+        with self.criu.locks.hold(job.lock_key):
+            self.criu.dump(job.pid, job.staging.fd, leave_running=job.leave_running,
+                           run_as=job.run_as, deadline_s=job.deadline_s, on_notify=still_ours)
 
 
 class VerifyDumpedCreds(StageBase):
@@ -154,7 +191,8 @@ class VerifyDumpedCreds(StageBase):
             raise RequestError("criu_failed", "CRIU dump failed: the kernel exited while it "
                                "was being dumped (only its init was left to dump)")
         if not job.caller.is_root:
-            check_creds(self.criu, job.staging.fd, job.caller.uid, job.allowed_gids)
+            check_creds(self.criu, job.staging.fd, job.caller.uid, job.allowed_gids,
+                        init_groups=job.init_groups, init_caps=job.init_caps)
 
 
 class PublishImages(StageBase):
@@ -186,16 +224,27 @@ class RestoreJob:
     images_fd: int
     allowed_gids: tuple[int, ...]
     staging: Staging
-    replace_pid: int | None = None
-    replace_pidfd: int | None = None
+    registry: Registry
+    replace: Held | None = None
+    run_as: RunAs | None = None
+    init_groups: tuple[int, ...] = ()
+    init_caps: tuple[int, ...] = ()
+    min_deadline_s: float = 300.0
     pid: int | None = None
     staged: list[str] = field(default_factory=list)
+    staged_bytes: int = 0
+    linked: dict[str, int] = field(default_factory=dict)  # hard-linked page files: their sizes
     gpu_map: tuple[tuple[str, str], ...] = ()
     retarget: RetargetPlan = field(default_factory=RetargetPlan)  # see retarget.py
     retargeted: dict = field(default_factory=dict)
 
+    @property
+    def replace_pid(self) -> int | None:
+        return self.replace.pid if self.replace is not None else None
 
-def _copy_checked(src: int, dst_dir: int, name: str, expect: FileSeal | None) -> None:
+
+def _copy_checked(src: int, dst_dir: int, name: str, expect: FileSeal | None,
+                  owner: Caller) -> int:
     dst = os.open(
         name,
         os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
@@ -203,6 +252,7 @@ def _copy_checked(src: int, dst_dir: int, name: str, expect: FileSeal | None) ->
         dir_fd=dst_dir,
     )
     try:
+        os.fchown(dst, owner.uid, owner.gid)  # CRIU may read it as the caller
         os.lseek(src, 0, os.SEEK_SET)
         size = 0
         digest = hashlib.sha256()
@@ -216,9 +266,15 @@ def _copy_checked(src: int, dst_dir: int, name: str, expect: FileSeal | None) ->
         os.close(dst)
     if expect is not None and (size != expect.size or digest.hexdigest() != expect.sha256):
         raise untrusted(f"{name} differs from what was dumped")
+    return size
 
 
-def _link_or_copy(src: int, dst_dir: int, name: str) -> None:
+def _link_or_copy(src: int, dst_dir: int, name: str, owner: Caller) -> int:
+    """Hard-link a page file into the staging dir (copy where links cannot cross); its size.
+
+    A linked file is still the caller's own inode and could be truncated while CRIU reads it
+    (which makes CRIU spin): the restore's watchdog checks the sizes while CRIU runs.
+    """
     try:
         os.link(f"/proc/self/fd/{src}", name, dst_dir_fd=dst_dir, follow_symlinks=True)
     except OSError as exc:
@@ -231,6 +287,7 @@ def _link_or_copy(src: int, dst_dir: int, name: str) -> None:
             dir_fd=dst_dir,
         )
         try:
+            os.fchown(dst, owner.uid, owner.gid)
             left = os.fstat(src).st_size
             offset = 0
             while left > 0:
@@ -241,10 +298,11 @@ def _link_or_copy(src: int, dst_dir: int, name: str) -> None:
                 left -= n
         finally:
             os.close(dst)
+    return os.fstat(src).st_size
 
 
 class StageImages(StageBase):
-    """Bring the images into the root-only staging dir, checked against their seal."""
+    """Bring the images into the staging dir, checked against their seal."""
 
     name = "stage"
 
@@ -281,38 +339,57 @@ class StageImages(StageBase):
                 seal = seals[name] if seals is not None else None
                 if seal is not None and st.st_size != seal.size:
                     raise untrusted(f"{name} has changed size since it was dumped")
-                if seal is not None and seal.sha256 is None:
-                    _link_or_copy(fd, job.staging.fd, name)  # private memory: size suffices
-                elif seal is None and name.startswith("pages-"):
-                    _link_or_copy(fd, job.staging.fd, name)  # root's restore: no checks
+                if (seal is not None and seal.sha256 is None) or (
+                        seal is None and name.startswith("pages-")):
+                    # private memory (size suffices), or root's restore (no checks)
+                    size = _link_or_copy(fd, job.staging.fd, name, job.caller)
+                    job.linked[name] = size
                 else:
-                    _copy_checked(fd, job.staging.fd, name, seal)
+                    size = _copy_checked(fd, job.staging.fd, name, seal, job.caller)
+                job.staged_bytes += size
             finally:
                 os.close(fd)
             job.staged.append(name)
         check_page_files(self.criu, job.staging.fd)  # before the kill stage: refuse early
         if not trusted:
-            check_creds(self.criu, job.staging.fd, job.caller.uid, job.allowed_gids)
+            check_creds(self.criu, job.staging.fd, job.caller.uid, job.allowed_gids,
+                        init_groups=job.init_groups, init_caps=job.init_caps)
 
 
 class KillReplaced(StageBase):
     name = "kill"
 
-    def __init__(self, reaper: Reaper) -> None:
-        self.reaper = reaper
-
     def run(self, job: RestoreJob) -> None:
-        if job.replace_pid is not None and job.replace_pidfd is not None:
-            terminate_tree(job.replace_pidfd, job.replace_pid, self.reaper)
+        if job.replace is not None:
+            terminate_tree(job.replace)
 
 
 class CriuRestore(StageBase):
     name = "restore"
 
-    def __init__(self, criu: Criu, reaper: Reaper) -> None:
+    def __init__(self, criu: Criu) -> None:
         self.criu = criu
-        self.reaper = reaper
 
     def run(self, job: RestoreJob) -> None:
-        job.pid = self.criu.restore(job.staging.fd)
-        self.reaper.track(job.pid, job.caller.uid)
+        def on_notify(action: str, pid: int | None) -> None:
+            # The restored tree exists, frozen, not yet running: record it now, so that a
+            # helper that dies from here on still knows whose tree this is (registry.py).
+            if action == "post-restore" and pid is not None:
+                job.registry.add(pid, job.caller.uid)
+                job.pid = pid
+
+        def pages_unchanged() -> None:
+            for name, size in job.linked.items():
+                try:
+                    now = os.stat(name, dir_fd=job.staging.fd, follow_symlinks=False).st_size
+                except FileNotFoundError:
+                    now = -1
+                if now != size:
+                    raise untrusted(f"{name} changed while CRIU was reading it")
+
+        deadline = self.criu.deadline_s(job.staged_bytes)
+        pid = self.criu.restore(job.staging.fd, run_as=job.run_as, deadline_s=deadline,
+                                on_notify=on_notify, watch=pages_unchanged)
+        if job.pid is None:  # no post-restore notification: record it now
+            job.registry.add(pid, job.caller.uid)
+        job.pid = pid

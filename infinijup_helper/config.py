@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
+
+from .limits import Limits
 
 DEFAULT_SOCKET = "/run/infinijup/helper.sock"
 DEFAULT_WORK = "/var/lib/infinijup/work"
@@ -34,6 +37,39 @@ def default_pycriu() -> str:
     return os.environ.get("INFINIJUP_PYCRIU") or DEFAULT_PYCRIU
 
 
+def trusted_by_everyone(path: str) -> bool:
+    """Whether every user may run ``path`` and only root can change it: the file and every
+    directory above it (symlinks resolved) root-owned, not group/other-writable, and
+    reachable (x) by others."""
+    real = os.path.realpath(path)
+    try:
+        st = os.stat(real)
+    except OSError:
+        return False
+    if st.st_uid != 0 or st.st_mode & 0o022 or not st.st_mode & 0o001:
+        return False
+    parent = os.path.dirname(real)
+    while True:
+        st = os.stat(parent)
+        if st.st_uid != 0 or st.st_mode & 0o022 or not st.st_mode & 0o001:
+            return False
+        if parent == "/":
+            return True
+        parent = os.path.dirname(parent)
+
+
+def default_nsinit_python() -> str:
+    """The interpreter of every tree's init (run as the caller, so every user must be able to
+    run it): env INFINIJUP_NSINIT_PYTHON, else the helper's own Python if it is installed where
+    only root can change it and everyone can run it, else /usr/bin/python3."""
+    explicit = os.environ.get("INFINIJUP_NSINIT_PYTHON")
+    if explicit:
+        return explicit
+    if trusted_by_everyone(sys.executable):
+        return sys.executable
+    return "/usr/bin/python3"
+
+
 @dataclass(frozen=True)
 class HelperConfig:
     socket_path: str
@@ -44,6 +80,9 @@ class HelperConfig:
     pidfile: str | None = None
     log_path: str | None = None
     pid_namespace: bool | None = None  # None: decided by whether CUDA is usable
+    nsinit_python: str = "/usr/bin/python3"
+    criu_timeout_s: float = 300.0
+    limits: Limits = field(default_factory=Limits)
 
     @property
     def lock_path(self) -> str:

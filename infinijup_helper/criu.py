@@ -1,21 +1,20 @@
-"""CRIU through its RPC interface (pycriu), and checks on the images it writes and reads.
+"""CRIU through its RPC interface, and checks on the images it writes and reads.
 
-The helper starts ``criu swrk FD`` itself with ``subprocess`` and hands pycriu the other end of
-the socket (``use_fd``), instead of ``use_binary``: pycriu's own launcher forks the helper with
-``os.fork`` (unsafe in a threaded process) and waits for CRIU with ``waitpid``, which the
-helper's reaper must never race with.
+The helper starts ``criu swrk FD`` itself with ``subprocess`` (through ``setpriv`` when CRIU
+runs as the caller, see creds.py) and speaks CRIU's RPC over the other end of the socket with
+pycriu's protobuf messages: pycriu's own launcher forks the helper with ``os.fork`` (unsafe in
+a threaded process) and waits for CRIU with ``waitpid``, which the helper's reaper must never
+race with; and its request call does not answer CRIU's notifications, which the helper uses
+(the dumped tree is checked while still frozen; a restored tree is recorded before it runs).
 
 Options are fixed here, one set for dump and one for restore; nothing a client sends can add
-to them.
-
-CRIU requests run one at a time, helper-wide: two dumps of different PID-namespaced trees that
-share a mount namespace collide inside CRIU (its parasite creates a fixed-name directory to
-mount a /proc for the target's namespace, and the second one fails with EEXIST). Everything
-outside the CRIU call itself (staging, sealing, GPU stages later) still runs concurrently.
+to them. Every run has a deadline (the watchdog): past it CRIU is killed and the op fails.
 """
 
 from __future__ import annotations
 
+import array
+import contextlib
 import importlib
 import logging
 import os
@@ -24,12 +23,14 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from .holds import criu_notifications_wanted, hold
+from .creds import RunAs, find_setpriv
+from .holds import hold
 from .protocol import RequestError
 
 log = logging.getLogger(__name__)
@@ -83,28 +84,89 @@ def log_tail(dir_fd: int, name: str, lines: int = LOG_TAIL_LINES) -> str:
 class CriuSettings:
     binary: str
     pycriu_path: str | None
+    # The watchdog: a CRIU run gets ``timeout_s`` plus one second per ``min_rate`` bytes of
+    # memory it moves, then it is killed. Deadlines are hang guards, sized so that a healthy
+    # run on a slow, busy machine never comes near them.
+    timeout_s: float = 300.0
+    min_rate: float = 16 * 2**20
+
+
+Notify = Callable[[str, int | None], None]
+
+
+class KeyedLocks:
+    """One lock per key, created on demand, dropped when nobody holds or waits for it."""
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._locks: dict[object, tuple[threading.Lock, int]] = {}
+
+    @contextlib.contextmanager
+    def hold(self, key: object | None) -> Iterator[None]:
+        if key is None:
+            yield
+            return
+        with self._guard:
+            lock, users = self._locks.get(key, (threading.Lock(), 0))
+            self._locks[key] = (lock, users + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self._guard:
+                lock, users = self._locks[key]
+                if users == 1:
+                    del self._locks[key]
+                else:
+                    self._locks[key] = (lock, users - 1)
 
 
 class Criu:
-    """Runs single CRIU requests, each in its own ``criu swrk`` process."""
+    """Runs single CRIU requests, each in its own ``criu swrk`` process, under a watchdog.
+
+    Requests of different callers run at the same time. Only dumps of PID-namespaced trees
+    whose inits share a cwd are serialized (``lock_key``): CRIU's parasite creates a fixed-name
+    mount point there (see nsinit.py), and each uid's inits have their own cwd.
+    """
 
     def __init__(self, settings: CriuSettings) -> None:
         self.binary = settings.binary
         self.pycriu = load_pycriu(settings.pycriu_path)
         self.version = criu_version(self.binary)
-        self._one_at_a_time = threading.Lock()
+        self.settings = settings
+        self.locks = KeyedLocks()
+        self._setpriv: str | None = None
 
-    def _request(self, images_fd: int, log_name: str, kind: str, configure: Any) -> Any:
-        with self._one_at_a_time:
-            return self._request_now(images_fd, log_name, kind, configure)
+    def deadline_s(self, moved_bytes: int) -> float:
+        return self.settings.timeout_s + moved_bytes / self.settings.min_rate
 
-    def _request_now(self, images_fd: int, log_name: str, kind: str, configure: Any) -> Any:
-        pycriu = self.pycriu
+    def _argv(self, fd: int, run_as: RunAs | None) -> list[str]:
+        argv = [self.binary, "swrk", str(fd)]
+        if run_as is None:
+            return argv
+        if self._setpriv is None:
+            self._setpriv = find_setpriv()
+        return run_as.setpriv_argv(self._setpriv) + argv
+
+    def _request(self, kind: str, images_fd: int, log_name: str, configure: Any, *,
+                 run_as: RunAs | None, deadline_s: float, on_notify: Notify | None = None,
+                 watch: Callable[[], None] | None = None) -> Any:
+        """One CRIU request over its RPC socket, CRIU's notifications answered on the way.
+
+        ``on_notify(action, pid)`` runs at each of CRIU's notifications (``post-dump``: the
+        tree dumped and still frozen; ``post-restore``: the tree created, not yet resumed);
+        if it raises, CRIU is told the step failed (it resumes a dumped tree, kills a
+        restored one) and that error is raised once CRIU has answered.
+        Past ``deadline_s`` CRIU is killed and the request fails with ``criu_failed``;
+        ``watch()`` runs every second while CRIU works, and if it raises, CRIU is killed and
+        that error is raised.
+        """
+        rpc = self.pycriu.rpc
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             swrk = subprocess.Popen(
-                [self.binary, "swrk", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),),
+                self._argv(theirs.fileno(), run_as),
+                pass_fds=(theirs.fileno(), images_fd),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
@@ -112,57 +174,66 @@ class Criu:
             )
         finally:
             theirs.close()
+        deadline = time.monotonic() + deadline_s
+        failure: RequestError | None = None
         try:
-            client = pycriu.criu()
-            client.use_fd(ours.fileno())
-            opts = client.opts
-            opts.images_dir_fd = images_fd
+            opts = rpc.criu_opts(images_dir_fd=-1)
+            # CRIU, possibly running as the caller, opens the staging dir through its own
+            # copy of the descriptor (not /proc/<helper>/fd, which is the helper's alone).
+            opts.images_dir = f"/proc/self/fd/{images_fd}"
             opts.log_file = log_name
             opts.log_level = LOG_LEVEL
+            opts.notify_scripts = True
+            if run_as is not None:
+                opts.unprivileged = True
             configure(opts)
+            req = rpc.criu_req(type=rpc.DUMP if kind == "dump" else rpc.RESTORE)
+            req.opts.MergeFrom(opts)
             hold(f"criu_{kind}_request", criu_pid=swrk.pid)
-            try:
-                if criu_notifications_wanted(kind):
-                    resp = self._call_with_holds(ours, opts, kind, swrk.pid)
-                else:
-                    resp = client.dump() if kind == "dump" else client.restore()
-            except pycriu.CRIUException as exc:
-                raise CriuFailed(
-                    f"CRIU {kind} failed: {exc}\n{log_tail(images_fd, log_name)}"
-                ) from None
+            _send(ours, req, deadline)
+            while True:
+                resp = rpc.criu_resp()
+                resp.ParseFromString(_recv_watched(ours, deadline, watch))
+                if resp.type != rpc.NOTIFY:
+                    break
+                action = resp.notify.script
+                pid = resp.notify.pid if resp.notify.HasField("pid") else None
+                hold(f"criu_{kind}_{action}", criu_pid=swrk.pid, pid=pid)
+                ok = True
+                if on_notify is not None and failure is None:
+                    try:
+                        on_notify(action, pid)
+                    except RequestError as exc:
+                        failure, ok = exc, False
+                _send(ours, rpc.criu_req(type=rpc.NOTIFY, notify_success=ok), deadline)
             hold(f"criu_{kind}_response", criu_pid=swrk.pid)
-            return resp
+        except RequestError:
+            _kill(swrk)  # the watch found something wrong
+            raise
+        except TimeoutError:
+            _kill(swrk)
+            raise CriuFailed(
+                f"CRIU {kind} did not finish within {deadline_s:.0f} s and was stopped (a stalled "
+                f"CRIU holds nobody else's operation, but this one is lost)\n"
+                f"{log_tail(images_fd, log_name)}") from None
+        except (OSError, ValueError) as exc:  # CRIU died, or sent garbage
+            _kill(swrk)
+            raise CriuFailed(f"CRIU {kind} failed: {exc}\n{log_tail(images_fd, log_name)}") from None
         finally:
             ours.close()
             try:
-                swrk.wait(timeout=30)
+                swrk.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                swrk.kill()
-                swrk.wait()
-
-    def _call_with_holds(self, sk: socket.socket, opts: Any, kind: str, criu_pid: int) -> Any:
-        """pycriu's request and answer, with CRIU's notifications turned on and each one a
-        hold point (tests only: see holds.py)."""
-        rpc = self.pycriu.rpc
-        req = rpc.criu_req(type=rpc.DUMP if kind == "dump" else rpc.RESTORE)
-        req.opts.MergeFrom(opts)
-        req.opts.notify_scripts = True
-        try:
-            sk.send(req.SerializeToString())
-            while True:
-                resp = rpc.criu_resp()
-                resp.ParseFromString(sk.recv(len(sk.recv(1, socket.MSG_TRUNC | socket.MSG_PEEK))))
-                if resp.type != rpc.NOTIFY:
-                    break
-                hold(f"criu_{kind}_{resp.notify.script}", criu_pid=criu_pid, pid=resp.notify.pid)
-                sk.send(rpc.criu_req(type=rpc.NOTIFY, notify_success=True).SerializeToString())
-        except OSError as exc:
-            raise self.pycriu.CRIUExceptionInternal(req.type, str(exc)) from None
+                _kill(swrk)
+        if failure is not None:
+            raise failure
         if not resp.success:
-            raise self.pycriu.CRIUExceptionExternal(req.type, resp.type, resp.cr_errno)
-        return resp.dump if kind == "dump" else resp.restore
+            why = resp.cr_errmsg or (os.strerror(resp.cr_errno) if resp.cr_errno else "error")
+            raise CriuFailed(f"CRIU {kind} failed: {why}\n{log_tail(images_fd, log_name)}")
+        return resp
 
-    def dump(self, pid: int, images_fd: int, *, leave_running: bool) -> None:
+    def dump(self, pid: int, images_fd: int, *, leave_running: bool, run_as: RunAs | None,
+             deadline_s: float, on_notify: Notify | None = None) -> None:
         """Dump the tree rooted at ``pid``. On failure CRIU resumes the tree."""
 
         def configure(opts: Any) -> None:
@@ -176,9 +247,11 @@ class Criu:
             opts.network_lock = self.pycriu.rpc.SKIP  # no iptables/nft needed; see FINDINGS
             opts.file_locks = True
 
-        self._request(images_fd, DUMP_LOG, "dump", configure)
+        self._request("dump", images_fd, DUMP_LOG, configure, run_as=run_as,
+                      deadline_s=deadline_s, on_notify=on_notify)
 
-    def restore(self, images_fd: int) -> int:
+    def restore(self, images_fd: int, *, run_as: RunAs | None, deadline_s: float,
+                on_notify: Notify | None = None, watch: Callable[[], None] | None = None) -> int:
         """Restore a tree as a child of the helper; return the root's host pid."""
 
         def configure(opts: Any) -> None:
@@ -189,8 +262,9 @@ class Criu:
             opts.rst_sibling = True
             opts.file_locks = True
 
-        resp = self._request(images_fd, RESTORE_LOG, "restore", configure)
-        return int(resp.pid)
+        resp = self._request("restore", images_fd, RESTORE_LOG, configure, run_as=run_as,
+                             deadline_s=deadline_s, on_notify=on_notify, watch=watch)
+        return int(resp.restore.pid)
 
     # --- image inspection -------------------------------------------------------------------
 
@@ -201,6 +275,47 @@ class Criu:
                 return self.pycriu.images.load(f)
             except Exception as exc:  # noqa: BLE001 - any decode failure means damaged images
                 raise RequestError("bad_request", f"image {name} cannot be read: {exc}") from None
+
+
+def _send(sk: socket.socket, req: Any, deadline: float) -> None:
+    sk.settimeout(max(0.001, deadline - time.monotonic()))
+    sk.send(req.SerializeToString())
+
+
+def _recv(sk: socket.socket, deadline: float) -> bytes:
+    """One message; descriptors CRIU may attach to a notification are closed."""
+    sk.settimeout(max(0.001, deadline - time.monotonic()))
+    data, ancdata, _flags, _addr = sk.recvmsg(1 << 20, socket.CMSG_SPACE(64 * 4))
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            for fd in array.array("i", payload[: len(payload) - len(payload) % 4]):
+                os.close(fd)
+    if not data:
+        raise OSError("CRIU exited before it answered")
+    return data
+
+
+WATCH_TICK_S = 1.0
+
+
+def _recv_watched(sk: socket.socket, deadline: float, watch: Callable[[], None] | None) -> bytes:
+    while True:
+        tick = deadline if watch is None else min(deadline, time.monotonic() + WATCH_TICK_S)
+        try:
+            return _recv(sk, tick)
+        except TimeoutError:
+            if time.monotonic() >= deadline:
+                raise
+            assert watch is not None
+            watch()
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        proc.kill()
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def image_names(dir_fd: int) -> list[str]:
@@ -266,33 +381,44 @@ def check_page_files(criu: Criu, dir_fd: int) -> None:
                 f"{'nothing' if have is None else f'{have} bytes'}, {name} lists {want}")
 
 
-def _creds_problem(creds: dict[str, Any] | None, uid: int, allowed: set[int]) -> str | None:
+def _cap_bits(creds: dict[str, Any], key: str) -> int:
+    return sum(int(word) << (32 * i) for i, word in enumerate(creds.get(key, [])))
+
+
+def _creds_problem(creds: dict[str, Any] | None, uid: int, allowed: set[int],
+                   allowed_caps: int) -> str | None:
     if creds is None:
         return "carries no credentials"
     uids = [creds.get(k) for k in ("uid", "euid", "suid", "fsuid")]
     gid_fields = [creds.get(k) for k in ("gid", "egid", "sgid", "fsgid")]
     groups = list(creds.get("groups", []))
-    caps = [c for k in ("cap_inh", "cap_prm", "cap_eff", "cap_amb") for c in creds.get(k, [])]
     if any(u != uid for u in uids):
         return f"runs as uid(s) {uids}, not {uid}"
     if any(g not in allowed for g in gid_fields + groups):
         return f"has groups outside uid {uid}'s"
-    if any(caps) and uid != 0:
-        return "holds capabilities"
+    held = 0
+    for key in ("cap_inh", "cap_prm", "cap_eff", "cap_amb"):
+        held |= _cap_bits(creds, key)
+    if held & ~allowed_caps and uid != 0:
+        return f"holds capabilities {held & ~allowed_caps:#x}"
     return None
 
 
-def check_creds(criu: Criu, dir_fd: int, uid: int, gids: Iterable[int]) -> int:
-    """Refuse images with any process below the tree root whose credentials are not the
-    caller's: every uid field equals ``uid``, every gid field and supplementary group is one
-    of ``gids``, no capability held (a process of an ordinary user has none).
+def check_creds(criu: Criu, dir_fd: int, uid: int, gids: Iterable[int], *,
+                init_groups: Iterable[int] = (), init_caps: Iterable[int] = ()) -> int:
+    """Refuse images with any process whose credentials are not the caller's: every uid field
+    equals ``uid``, every gid field and supplementary group is one of ``gids``, no capability
+    held (a process of an ordinary user has none).
 
-    The tree root itself may also be root: the helper's nsinit runs as root (see nsinit.py).
-    Such images are only accepted with a valid seal naming the caller as their owner, and the
-    root's memory is sealed by hash, so its code cannot be changed in between.
-    Returns the number of threads checked; there must be at least one below the root.
+    The tree's init (the first task) may also hold ``init_groups`` and the capabilities
+    ``init_caps``: the init the helper starts for a non-root caller in a PID namespace holds
+    its own group and two capabilities (see nsinit.py). Such images are only accepted with a
+    valid seal naming the caller, and the init's memory is sealed by hash, so its code cannot
+    be changed in between. Returns the number of threads checked below the init; there must
+    be at least one.
     """
     allowed = set(gids)
+    caps_mask = sum(1 << cap for cap in init_caps)
     tasks = tree_tasks(criu, dir_fd)
     names = set(image_names(dir_fd))
     checked_below = 0
@@ -303,10 +429,10 @@ def check_creds(criu: Criu, dir_fd: int, uid: int, gids: Iterable[int]) -> int:
                 raise RequestError("bad_request", f"images lack {name}")
             entries = criu.load_image(dir_fd, name).get("entries", [])
             creds = (entries[0].get("thread_core") or {}).get("creds") if entries else None
-            problem = _creds_problem(creds, uid, allowed)
-            if problem and index == 0 and creds is not None:
-                if all(creds.get(k) == 0 for k in ("uid", "euid", "suid", "fsuid")):
-                    problem = None  # the root-owned nsinit
+            if index == 0:
+                problem = _creds_problem(creds, uid, allowed | set(init_groups), caps_mask)
+            else:
+                problem = _creds_problem(creds, uid, allowed, 0)
             if problem:
                 raise RequestError("permission_denied", f"process {task['pid']} ({name}) {problem}")
             checked_below += index > 0

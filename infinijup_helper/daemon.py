@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
+import stat
 import sys
 from collections.abc import Callable
 
@@ -43,7 +44,12 @@ def read_pidfile(path: str | None) -> int | None:
 def acquire_instance_lock(config: HelperConfig) -> int | None:
     """The lock fd if this process is now the one helper for this socket, else None."""
     os.makedirs(os.path.dirname(config.lock_path) or ".", mode=0o755, exist_ok=True)
-    fd = os.open(config.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    # Never through a symlink someone planted, never someone else's file.
+    fd = os.open(config.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        raise RuntimeError(f"{config.lock_path} is not a regular file of ours")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

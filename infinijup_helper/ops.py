@@ -1,20 +1,21 @@
 """One method per op. No socket code: the server hands in a caller, typed args and a progress
 callback, and gets back the result object or a :class:`RequestError`.
 
-Operations on the same pid are serialized (a dump racing a kill of the same tree would leave
-either half-done); operations on different trees run concurrently.
+Every op that names a tree takes it from the registry (registry.py), never from what /proc
+says about a pid, and holds it until the op is done. Operations on the same tree are
+serialized (a dump racing a kill of the same tree would leave either half-done); operations
+on different trees run concurrently. A non-root caller's trees, dumps and restores run with the
+caller's own credentials (creds.py); per-user limits bound what one user can take (limits.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import pwd
 import signal
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,19 +31,22 @@ from .checkpoint import (
     VerifyDumpedCreds,
     terminate_tree,
 )
-from .criu import Criu
-from .cuda_stage import CudaResumeAfterDump, CudaResumeRestored, CudaSuspend, resume_tree
-from .paths import WorkDirs, check_target_free, remove_entry
-from .proc import (
-    CAP_SYS_RESOURCE,
-    Caller,
-    authorize_pid,
-    authorize_tree,
+from .creds import (
+    CRIU_DUMP_CAPS,
+    CRIU_RESTORE_CAPS,
+    NSINIT_CAPS_PIDNS,
+    RunAs,
     has_capability,
-    read_proc,
+    nsinit_group,
+    user_groups,
 )
+from .criu import Criu, KeyedLocks
+from .cuda_stage import CudaResumeAfterDump, CudaResumeRestored, CudaSuspend, resume_tree
+from .limits import Limits, caller_rlimits
+from .paths import WorkDirs, check_target_free, remove_entry
+from .proc import Caller, authorize_members, owns, read_proc
 from .protocol import RequestError
-from .reaper import Reaper
+from .registry import Held, Registry
 from .retarget import RetargetImages, RetargetPlan
 from .seal import Sealer
 from .spawn import SpawnFailed, SpawnSpec, spawn_tree
@@ -51,40 +55,9 @@ from .stages import Progress, Stage, run_stages
 Result = Mapping[str, Any]
 
 
-class PidLocks:
-    """One lock per pid, created on demand and dropped when nobody holds or waits for it."""
-
-    def __init__(self) -> None:
-        self._guard = threading.Lock()
-        self._locks: dict[int, tuple[threading.Lock, int]] = {}
-
-    @contextlib.contextmanager
-    def hold(self, pid: int | None) -> Iterator[None]:
-        if pid is None:
-            yield
-            return
-        with self._guard:
-            lock, users = self._locks.get(pid, (threading.Lock(), 0))
-            self._locks[pid] = (lock, users + 1)
-        try:
-            with lock:
-                yield
-        finally:
-            with self._guard:
-                lock, users = self._locks[pid]
-                if users == 1:
-                    del self._locks[pid]
-                else:
-                    self._locks[pid] = (lock, users - 1)
-
-
 def caller_groups(caller: Caller) -> tuple[int, ...]:
     """The caller's gid and supplementary groups, as initgroups(3) would set them."""
-    try:
-        name = pwd.getpwuid(caller.uid).pw_name
-    except KeyError:
-        return (caller.gid,)
-    return tuple(dict.fromkeys([caller.gid, *os.getgrouplist(name, caller.gid)]))
+    return user_groups(caller.uid, caller.gid)
 
 
 @dataclass(frozen=True)
@@ -110,32 +83,50 @@ def _gpu_summary(stages: list[Stage]) -> dict[str, Any] | None:
     return None
 
 
+def tree_rss(pids: list[int]) -> int:
+    """Resident memory of the processes, in bytes (what a dump will have to move)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
 class Operations:
-    """The helper's ops, bound to its work dirs, CRIU, reaper and seal key."""
+    """The helper's ops, bound to its work dirs, CRIU, registry and seal key."""
 
     def __init__(
         self,
         work: WorkDirs,
         criu: Criu,
-        reaper: Reaper,
+        registry: Registry,
         sealer: Sealer,
         python: str = sys.executable,
         features: Features = Features(),
         pid_namespace: bool | None = None,
+        limits: Limits | None = None,
     ) -> None:
         self.work = work
         self.criu = criu
-        self.reaper = reaper
+        self.registry = registry
         self.sealer = sealer
         self.python = python
         self.features = features
+        self.limits = limits or Limits()
         # Kernels get their own PID namespace, except where CUDA is usable: the CUDA driver
         # fails to initialize (error 304) in a PID namespace without its own /proc, and CRIU
         # cannot dump the mount namespace such a /proc needs. Restores then need the original
         # pids free, which they are when a kernel is restored in place.
         self.pid_namespace = (not features.cuda) if pid_namespace is None else pid_namespace
-        self.locks = PidLocks()
-        self.can_dump_other_users = has_capability(CAP_SYS_RESOURCE)
+        self.locks = KeyedLocks()
+        # What running a non-root caller's tree and CRIU as that caller needs from our root.
+        needed = set(CRIU_DUMP_CAPS) | set(CRIU_RESTORE_CAPS) | set(NSINIT_CAPS_PIDNS)
+        self.missing_caps = sorted(c for c in needed if not has_capability(c))
         self._handlers: dict[str, Callable[[Caller, Any, Progress], Result]] = {
             "hello": self.hello,
             "spawn": self.spawn,
@@ -146,6 +137,7 @@ class Operations:
             "status": self.status,
             "signal": self.signal,
             "gpu": self.gpu,
+            "trees": self.trees,
         }
         assert set(self._handlers) == p.OPS
 
@@ -170,12 +162,50 @@ class Operations:
         stages: list[Stage] = [
             StageImages(self.criu, self.sealer),
             RetargetImages(self.criu),
-            KillReplaced(self.reaper),
-            CriuRestore(self.criu, self.reaper),
+            KillReplaced(),
+            CriuRestore(self.criu),
         ]
         if self.features.cuda:
             stages.append(CudaResumeRestored())
         return stages
+
+    # --- who runs what ------------------------------------------------------------------------
+
+    def _as_caller(self, caller: Caller, caps: tuple[int, ...]) -> RunAs | None:
+        """CRIU's credentials for this caller: theirs plus ``caps`` (None: root runs it)."""
+        if caller.is_root:
+            return None
+        if self.missing_caps:
+            from .creds import CAP_NAMES
+
+            names = ", ".join(f"CAP_{CAP_NAMES[c].upper()}" for c in self.missing_caps)
+            raise RequestError(
+                "unsupported",
+                f"this helper's root lacks {names} (a restricted container or sandbox): it "
+                "cannot run a non-root user's kernel and CRIU with that user's credentials "
+                "here; give the helper these capabilities")
+        return RunAs(caller.uid, caller.gid, caller_groups(caller), caps)
+
+    def _init_identity(self, caller: Caller) -> tuple[int | None, str]:
+        """The extra group of the caller's tree inits (non-root) and their cwd."""
+        group = None if caller.is_root else nsinit_group()
+        return group, self.work.nsinit_cwd(caller.uid, group)
+
+    def _check_tree_limit(self, caller: Caller, replacing: int | None = None) -> None:
+        if caller.is_root:
+            return
+        live = [t for t in self.registry.owned_by(caller.uid) if t.pid != replacing]
+        if len(live) >= self.limits.trees_per_user:
+            raise RequestError(
+                "limit_reached",
+                f"uid {caller.uid} already runs {len(live)} kernel trees, the most this helper "
+                f"allows one user ({self.limits.trees_per_user}); stop one first")
+
+    @contextlib.contextmanager
+    def _tree(self, caller: Caller, pid: int):  # noqa: ANN202 - yields Held
+        """Serialize on the tree, then hold it (authorized by the registry)."""
+        with self.locks.hold(("tree", pid)), self.registry.hold(caller.uid, pid) as tree:
+            yield tree
 
     # --- ops ----------------------------------------------------------------------------------
 
@@ -192,6 +222,10 @@ class Operations:
         if not os.path.isabs(args.cwd):
             raise RequestError("bad_path", f"{args.cwd!r}: cwd must be an absolute path")
         log_path = self.work.confine_file(caller, args.log_path)
+        self._check_tree_limit(caller)
+        if not caller.is_root:
+            self._as_caller(caller, ())  # refuse early where non-root trees cannot work
+        group, nsinit_cwd = self._init_identity(caller)
         spec = SpawnSpec(
             argv=list(args.argv),
             env=dict(args.env),
@@ -201,40 +235,44 @@ class Operations:
             gid=caller.gid,
             groups=list(caller_groups(caller)),
             python=self.python,
-            nsinit_cwd=self.work.nsinit_cwd,
+            nsinit_path=self.work.nsinit_path,
+            nsinit_cwd=nsinit_cwd,
             pid_namespace=self.pid_namespace,
+            nsinit_group=group,
+            rlimits=caller_rlimits(caller, self.limits),
         )
         try:
             pid = spawn_tree(spec)
         except SpawnFailed as exc:
             raise RequestError("spawn_failed", str(exc)) from None
-        self.reaper.track(pid, caller.uid)
+        self.registry.add(pid, caller.uid)
         return {"pid": pid}
 
     def dump(self, caller: Caller, args: p.DumpArgs, progress: Progress) -> Result:
         start = time.monotonic()
-        with self.locks.hold(args.pid):
-            authorize_pid(caller, args.pid, tree_root=True)
-            if not caller.is_root and not self.can_dump_other_users:
-                raise RequestError(
-                    "unsupported",
-                    "this helper's root lacks CAP_SYS_RESOURCE (a restricted container or sandbox), "
-                    "which CRIU needs to read another user's resource limits: only root's trees can "
-                    "be dumped here",
-                )
-            authorize_tree(caller, args.pid)
+        with self._tree(caller, args.pid) as tree:
+            tree.ensure_alive()
+            members = authorize_members(caller, tree.pid, tree.alive)
+            run_as = self._as_caller(caller, CRIU_DUMP_CAPS)
+            group = None if caller.is_root else nsinit_group()
+            lock_key = _init_cwd_key(tree) if tree.tree.namespace else None
             parent_fd, name = self.work.open_parent(caller, args.images_dir)
             try:
                 check_target_free(parent_fd, name, args.images_dir)
-                with self.work.staging("dump") as staging:
+                with self.work.staging("dump", owner=caller) as staging:
                     job = DumpJob(
                         caller=caller,
-                        pid=args.pid,
+                        tree=tree,
                         leave_running=args.leave_running,
                         allowed_gids=caller_groups(caller),
                         staging=staging,
                         parent_fd=parent_fd,
                         name=name,
+                        run_as=run_as,
+                        init_groups=(group,) if group is not None else (),
+                        init_caps=NSINIT_CAPS_PIDNS,
+                        deadline_s=self.criu.deadline_s(tree_rss([tree.pid, *members])),
+                        lock_key=lock_key,
                     )
                     stages = self.dump_stages()
                     phases = run_stages(stages, job, progress)
@@ -249,24 +287,28 @@ class Operations:
 
     def restore(self, caller: Caller, args: p.RestoreArgs, progress: Progress) -> Result:
         start = time.monotonic()
-        with self.locks.hold(args.replace_pid), contextlib.ExitStack() as cleanup:
-            pidfd = None
+        with contextlib.ExitStack() as cleanup:
+            replace = None
             if args.replace_pid is not None:
-                pidfd = _pidfd(args.replace_pid)
-                cleanup.callback(os.close, pidfd)
-                authorize_pid(caller, args.replace_pid, tree_root=True)
+                replace = cleanup.enter_context(self._tree(caller, args.replace_pid))
+            self._check_tree_limit(caller, replacing=args.replace_pid)
+            run_as = self._as_caller(caller, CRIU_RESTORE_CAPS)
+            group, _cwd = self._init_identity(caller)  # the cwd the images' init returns to
             log_path = (self.work.confine_file(caller, args.log_path)
                         if args.log_path is not None else None)
             images_fd = self.work.open_dir(caller, args.images_dir)
             cleanup.callback(os.close, images_fd)
-            staging = cleanup.enter_context(self.work.staging("restore"))
+            staging = cleanup.enter_context(self.work.staging("restore", owner=caller))
             job = RestoreJob(
                 caller=caller,
                 images_fd=images_fd,
                 allowed_gids=caller_groups(caller),
                 staging=staging,
-                replace_pid=args.replace_pid,
-                replace_pidfd=pidfd,
+                registry=self.registry,
+                replace=replace,
+                run_as=run_as,
+                init_groups=(group,) if group is not None else (),
+                init_caps=NSINIT_CAPS_PIDNS,
                 gpu_map=args.gpu_map,
                 retarget=RetargetPlan(port_map=args.port_map, log_path=log_path),
             )
@@ -276,13 +318,8 @@ class Operations:
                 "gpu": _gpu_summary(stages), "retargeted": job.retargeted}
 
     def kill(self, caller: Caller, args: p.KillArgs, progress: Progress) -> Result:
-        with self.locks.hold(args.pid):
-            pidfd = _pidfd(args.pid)
-            try:
-                authorize_pid(caller, args.pid, tree_root=True)
-                terminate_tree(pidfd, args.pid, self.reaper)
-            finally:
-                os.close(pidfd)
+        with self._tree(caller, args.pid) as tree:
+            terminate_tree(tree)
         return {}
 
     def gpu(self, caller: Caller, args: p.GpuArgs, progress: Progress) -> Result:
@@ -290,27 +327,26 @@ class Operations:
         the building block for idle kernels that give their GPU back."""
         if not self.features.cuda:
             raise RequestError("unsupported", "no usable CUDA driver on this machine")
-        with self.locks.hold(args.pid):
-            authorize_pid(caller, args.pid, tree_root=True)
+        with self._tree(caller, args.pid) as tree:
+            tree.ensure_alive()
             start = time.monotonic()
             if args.action == "release":
-                stage = CudaSuspend(args.pid)
+                stage = CudaSuspend(tree.pid)
                 stage.run(None)
                 summary = stage.summary or {"pids": 0}
             else:
-                summary = resume_tree(args.pid)
+                summary = resume_tree(tree.pid)
         return {"duration_s": round(time.monotonic() - start, 6), "gpu": summary}
 
     def signal(self, caller: Caller, args: p.SignalArgs, progress: Progress) -> Result:
-        """Signal a tree's init, which forwards it to the kernel. Needed because the init runs
-        as root (see nsinit.py), so the caller cannot signal it directly."""
-        with self.locks.hold(args.pid):  # not into a dump: a pending signal would be dumped
-            pidfd = _pidfd(args.pid)
+        """Signal a tree's init, which forwards it to the kernel (root's inits cannot be
+        signalled by their users directly)."""
+        with self._tree(caller, args.pid) as tree:  # not into a dump: it would be dumped
             try:
-                authorize_pid(caller, args.pid, tree_root=True)
-                signal.pidfd_send_signal(pidfd, args.signum)
-            finally:
-                os.close(pidfd)
+                signal.pidfd_send_signal(tree.pidfd, args.signum)
+            except ProcessLookupError:
+                raise RequestError("no_such_process", f"the tree of {tree.pid} has exited") \
+                    from None
         return {}
 
     def release(self, caller: Caller, args: p.ReleaseArgs, progress: Progress) -> Result:
@@ -322,29 +358,41 @@ class Operations:
         return {}
 
     def status(self, caller: Caller, args: p.StatusArgs, progress: Progress) -> Result:
-        info = read_proc(args.pid)
-        if info is not None and not info.is_zombie:
-            try:
-                authorize_pid(caller, args.pid, tree_root=False)
+        tree = self.registry.lookup(args.pid)
+        if tree is not None:
+            if not caller.is_root and tree.owner != caller.uid:
+                raise RequestError("permission_denied",
+                                   f"process {args.pid} does not belong to uid {caller.uid}")
+            if tree.alive():
                 return {"alive": True, "exit_code": None}
-            except RequestError as exc:
-                if exc.reason != "no_such_process":
-                    raise
-                info = read_proc(args.pid)  # it exited between the two reads: report that
-        if info is not None and self.reaper.is_tracked(args.pid):
-            self.reaper.wait_reaped(args.pid, 2.0)  # exited a moment ago; let the reaper finish
-        record = self.reaper.exit_record(args.pid)
-        if record is not None and (caller.is_root or record.owner_uid == caller.uid):
-            return {"alive": False, "exit_code": record.exit_code}
+            self.registry.wait_gone(args.pid, 2.0)  # exited a moment ago; let it be reaped
+        record = self.registry.exit_record(args.pid)
+        if record is not None:
+            if caller.is_root or record.owner_uid == caller.uid:
+                return {"alive": False, "exit_code": record.exit_code}
+            return {"alive": False, "exit_code": None}
+        info = read_proc(args.pid)  # not a tree: any process of the caller's own
+        if info is not None and not info.is_zombie:
+            if not owns(caller, info):
+                raise RequestError("permission_denied",
+                                   f"process {args.pid} does not belong to uid {caller.uid}")
+            return {"alive": True, "exit_code": None}
         return {"alive": False, "exit_code": None}
 
+    def trees(self, caller: Caller, args: p.TreesArgs, progress: Progress) -> Result:
+        """The caller's live trees, as this helper recorded them (also after a restart)."""
+        return {"trees": [{"pid": t.pid, "namespace": t.namespace}
+                          for t in self.registry.owned_by(caller.uid)]}
 
-def _pidfd(pid: int) -> int:
-    """A handle on exactly this process, taken *before* it is authorized, so the process that
-    was checked is the one that gets signalled even if the pid is recycled meanwhile."""
+
+def _init_cwd_key(tree: Held) -> tuple[str, int, int] | None:
+    """Dumps of trees whose inits share a cwd share CRIU's mount point: their lock's key."""
     try:
-        return os.pidfd_open(pid)
-    except ProcessLookupError:
-        raise RequestError("no_such_process", f"no running process with pid {pid}") from None
-    except FileNotFoundError:  # ENOENT (Linux >= 6.9): the id of a thread, not of a process
-        raise RequestError("no_such_process", f"{pid} is not a process id (a thread's?)") from None
+        st = os.stat(f"/proc/{tree.pid}/cwd")
+    except OSError:
+        return None
+    if not tree.alive():
+        raise RequestError("no_such_process", f"the tree of {tree.pid} has exited")
+    return ("nsinit-cwd", st.st_dev, st.st_ino)
+
+

@@ -1,23 +1,33 @@
-"""Work directories and path confinement.
+"""Work directories and path confinement, through descriptors.
 
 The helper runs as root but acts on paths that callers name, inside directories those callers
-own and can change at any moment. So a path is never trusted as a string: it is resolved, the
-directory that holds it is opened, and the *opened* directory's real path (read back from
-/proc/self/fd) is what is checked against the caller's work dir. Everything after that uses the
-directory fd plus a single name with symlinks not followed.
+own and can change at any moment, in mount namespaces of their own. So a path is never
+resolved as a string by root and then trusted: it must *name* something inside the caller's
+work dir (``<work>/<uid>/...``, checked on the string as given), and what follows that prefix
+is resolved with ``openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS |
+RESOLVE_NO_XDEV)`` from a descriptor of the work dir that the helper opened itself. No
+symlink, no magic link (``/proc/PID/root`` of a process in another mount namespace), no
+mount point and no ``..`` is crossed, whatever happens to the tree meanwhile. Everything after
+that uses the directory fd plus a single name, symlinks not followed.
 
 Layout::
 
-    <work>/            root 0711  (callers can reach their own dir, not list others)
-    <work>/.staging/   root 0700  (CRIU writes and reads here, out of callers' reach)
-    <work>/.seal-key   root 0600  (see seal.py)
-    <work>/.nsinit/    root 0700  (cwd of every tree's root-owned init, see nsinit.py)
-    <work>/<uid>/      uid  0700  (the caller's work dir)
+    <work>/                  root 0711  (callers can reach their own dir, not list others)
+    <work>/.staging/         root 0700  (CRIU writes and reads here, out of callers' reach)
+    <work>/.staging/<op>-*   the caller 0700 (CRIU runs as the caller, see creds.py)
+    <work>/.seal-key         root 0600  (see seal.py)
+    <work>/.nsinit/          root 0711
+    <work>/.nsinit/nsinit.py root 0644  (the launcher and init every tree runs, see nsinit.py)
+    <work>/.nsinit/<uid>/    root:infinijup-nsinit 0775 (cwd of that uid's tree inits: CRIU's
+                             parasite creates its /proc mount point there during a dump)
+    <work>/<uid>/            uid  0700  (the caller's work dir)
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
 import shutil
 import stat
@@ -29,26 +39,55 @@ from .proc import Caller
 from .protocol import RequestError
 
 STAGING = ".staging"
-NSINIT_CWD = ".nsinit"
+NSINIT_DIR = ".nsinit"
+NSINIT_SCRIPT = "nsinit.py"
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+RESOLVE_NO_XDEV = 0x01
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_NO_SYMLINKS = 0x04
+RESOLVE_BENEATH = 0x08
+RESOLVE_CONFINED = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_NO_XDEV
+_SYS_OPENAT2 = 437
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64),
+                ("resolve", ctypes.c_uint64)]
+
+
+def openat2(dir_fd: int, path: str, flags: int, resolve: int, mode: int = 0) -> int:
+    """openat2(2); raises OSError like os.open."""
+    how = _OpenHow(flags | os.O_CLOEXEC, mode, resolve)
+    fd = _libc.syscall(_SYS_OPENAT2, dir_fd, os.fsencode(path), ctypes.byref(how),
+                       ctypes.sizeof(how))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), path)
+    return fd
 
 
 def bad_path(path: str, why: str) -> RequestError:
     return RequestError("bad_path", f"{path!r}: {why}")
 
 
-def fd_path(fd: int) -> str:
-    """Where an open fd really points now (" (deleted)" suffix and all)."""
-    return os.readlink(f"/proc/self/fd/{fd}")
-
-
-def _inside(path: str, base: str, *, allow_equal: bool) -> bool:
-    return (allow_equal and path == base) or path.startswith(base.rstrip("/") + "/")
+def _open_error(path: str, exc: OSError, what: str) -> RequestError:
+    if exc.errno == errno.ENOENT:
+        return bad_path(path, f"{what} does not exist")
+    if exc.errno == errno.ENOTDIR:
+        return bad_path(path, f"{what} is not a directory")
+    if exc.errno == errno.ELOOP:
+        return bad_path(path, f"{what} goes through a symlink (not allowed)")
+    if exc.errno == errno.EXDEV:
+        return bad_path(path, f"{what} leaves your work dir (a mount point, a magic link or "
+                              "an absolute symlink)")
+    return bad_path(path, f"{what} cannot be opened: {exc.strerror}")
 
 
 @dataclass(frozen=True)
 class Staging:
-    """A fresh root-only directory under <work>/.staging, with an open fd to it."""
+    """A fresh directory under <work>/.staging (only reachable through ``fd``)."""
 
     path: str
     name: str
@@ -61,91 +100,141 @@ class WorkDirs:
     def __init__(self, root: str) -> None:
         self.root = os.path.realpath(root)
         self.staging_root = os.path.join(self.root, STAGING)
-        # CRIU's parasite briefly creates "proc.crtools" in a tree init's cwd: keep it private.
-        self.nsinit_cwd = os.path.join(self.root, NSINIT_CWD)
+        self.nsinit_root = os.path.join(self.root, NSINIT_DIR)
+        self.nsinit_path = os.path.join(self.nsinit_root, NSINIT_SCRIPT)
+        self._root_fd = -1
 
-    def prepare(self) -> None:
-        """Create the root and staging dirs with their modes; refuse a root that is a symlink."""
+    def prepare(self, nsinit_source: str) -> None:
+        """Create the root, staging and nsinit dirs with their modes; refuse a root that is a
+        symlink; put a fresh copy of nsinit.py where every user can run it."""
         for path, mode in (
             (self.root, 0o711),
             (self.staging_root, 0o700),
-            (self.nsinit_cwd, 0o700),
+            (self.nsinit_root, 0o711),
         ):
             os.makedirs(path, mode=mode, exist_ok=True)
             st = os.lstat(path)
             if not stat.S_ISDIR(st.st_mode):
                 raise RuntimeError(f"{path} is not a directory")
             os.chown(path, 0, 0, follow_symlinks=False)
-            os.chmod(path, mode)
+            os.chmod(path, mode, follow_symlinks=False)
+        self._root_fd = os.open(self.root, DIR_FLAGS)
         # Leftovers of a helper that died mid-operation: nobody can be using them now.
         for entry in os.listdir(self.staging_root):
             shutil.rmtree(os.path.join(self.staging_root, entry), ignore_errors=True)
+        with open(nsinit_source, "rb") as f:
+            script = f.read()
+        nsinit_fd = os.open(self.nsinit_root, DIR_FLAGS)
+        try:
+            tmp = f".{NSINIT_SCRIPT}.{os.getpid()}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o644, dir_fd=nsinit_fd)
+            with os.fdopen(fd, "wb") as f:
+                f.write(script)
+                os.fchmod(f.fileno(), 0o644)
+            os.rename(tmp, NSINIT_SCRIPT, src_dir_fd=nsinit_fd, dst_dir_fd=nsinit_fd)
+        finally:
+            os.close(nsinit_fd)
+
+    def nsinit_cwd(self, uid: int, group: int | None) -> str:
+        """``<work>/.nsinit/<uid>``: root:``group`` 0775 (root 0755 without a group)."""
+        name = str(uid)
+        parent = os.open(self.nsinit_root, DIR_FLAGS)
+        try:
+            try:
+                os.mkdir(name, 0o700, dir_fd=parent)
+            except FileExistsError:
+                pass
+            fd = os.open(name, DIR_FLAGS, dir_fd=parent)
+            try:
+                mode = 0o775 if group is not None else 0o755
+                os.fchown(fd, 0, group if group is not None else 0)
+                os.fchmod(fd, mode)
+            finally:
+                os.close(fd)
+        finally:
+            os.close(parent)
+        return os.path.join(self.nsinit_root, name)
 
     def user_dir(self, caller: Caller) -> str:
         """``<work>/<uid>``, created 0700 and owned by the caller on first use."""
-        path = os.path.join(self.root, str(caller.uid))
+        fd = self._user_dir_fd(caller)
+        os.close(fd)
+        return os.path.join(self.root, str(caller.uid))
+
+    def _user_dir_fd(self, caller: Caller) -> int:
+        name = str(caller.uid)
         try:
-            os.mkdir(path, 0o700)
+            os.mkdir(name, 0o700, dir_fd=self._root_fd)
         except FileExistsError:
             pass
-        st = os.lstat(path)
-        if not stat.S_ISDIR(st.st_mode):
-            raise RequestError("helper_error", f"{path} is not a directory; remove it")
+        try:
+            fd = os.open(name, DIR_FLAGS, dir_fd=self._root_fd)
+        except OSError:
+            raise RequestError("helper_error", f"{self.root}/{name} is not a directory; "
+                                               "remove it") from None
+        st = os.fstat(fd)
         if st.st_uid != caller.uid or stat.S_IMODE(st.st_mode) != 0o700:
-            os.chown(path, caller.uid, caller.gid, follow_symlinks=False)
-            os.chmod(path, 0o700, follow_symlinks=False)
-        return path
+            os.fchown(fd, caller.uid, caller.gid)
+            os.fchmod(fd, 0o700)
+        return fd
 
     # --- confinement ------------------------------------------------------------------------
 
-    def _check_syntax(self, path: str) -> None:
+    def _relative(self, caller: Caller, path: str) -> str:
+        """What follows ``<work>/<uid>/`` in ``path`` (may be empty), or bad_path."""
         if not os.path.isabs(path):
             raise bad_path(path, "must be an absolute path")
-        if ".." in path.split("/"):
+        parts = path.split("/")
+        if ".." in parts:
             raise bad_path(path, "must not contain '..'")
+        base = os.path.join(self.root, str(caller.uid))
+        stripped = path.rstrip("/")
+        if stripped == base:
+            return ""
+        if not stripped.startswith(base + "/"):
+            raise bad_path(path, f"is not inside your work dir {base}")
+        return stripped[len(base) + 1:]
 
     def open_dir(self, caller: Caller, path: str) -> int:
         """Open an existing directory strictly inside the caller's work dir; return its fd."""
-        self._check_syntax(path)
-        base = self.user_dir(caller)
+        rel = self._relative(caller, path)
+        if not rel:
+            raise bad_path(path, "must be inside your work dir, not the work dir itself")
+        base = self._user_dir_fd(caller)
         try:
-            fd = os.open(os.path.realpath(path), DIR_FLAGS)
-        except FileNotFoundError:
-            raise bad_path(path, "does not exist") from None
-        except NotADirectoryError:
-            raise bad_path(path, "is not a directory") from None
+            return openat2(base, rel, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW,
+                           RESOLVE_CONFINED)
         except OSError as exc:
-            raise bad_path(path, f"cannot be opened: {exc.strerror}") from None
-        if not _inside(fd_path(fd), base, allow_equal=False):
-            os.close(fd)
-            raise bad_path(path, f"is not inside your work dir {base}")
-        return fd
+            raise _open_error(path, exc, "it") from None
+        finally:
+            os.close(base)
 
     def open_parent(self, caller: Caller, path: str) -> tuple[int, str]:
-        """For a path that may not exist yet: an fd of its (verified) parent and its last name.
+        """For a path that may not exist yet: an fd of its parent and its last name.
 
         The parent may be the work dir itself; the named entry is always strictly inside it.
         """
-        self._check_syntax(path)
-        stripped = path.rstrip("/")
-        parent, name = os.path.split(stripped)
+        rel = self._relative(caller, path)
+        if not rel:
+            raise bad_path(path, "does not name an entry inside your work dir")
+        parent, name = os.path.split(rel)
         if not name or name == ".":
             raise bad_path(path, "does not name an entry inside your work dir")
-        base = self.user_dir(caller)
+        base = self._user_dir_fd(caller)
+        if not parent:
+            return base, name
         try:
-            fd = os.open(os.path.realpath(parent or "/"), DIR_FLAGS)
-        except FileNotFoundError:
-            raise bad_path(path, "its parent directory does not exist") from None
+            return openat2(base, parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW,
+                           RESOLVE_CONFINED), name
         except OSError as exc:
-            raise bad_path(path, f"its parent directory cannot be opened: {exc.strerror}") from None
-        if not _inside(fd_path(fd), base, allow_equal=True):
-            os.close(fd)
-            raise bad_path(path, f"is not inside your work dir {base}")
-        return fd, name
+            raise _open_error(path, exc, "its parent directory") from None
+        finally:
+            os.close(base)
 
     def confine_file(self, caller: Caller, path: str) -> str:
-        """The resolved path of a (possibly new) file inside the work dir, for use by the
-        caller's own processes (which the kernel holds to the caller's permissions)."""
+        """The path of a (possibly new) file inside the work dir, for use by the caller's own
+        processes (which open it with the caller's permissions, symlinks not followed)."""
         fd, name = self.open_parent(caller, path)
         try:
             try:
@@ -156,18 +245,24 @@ class WorkDirs:
                 raise bad_path(path, "is a symlink")
             if st is not None and stat.S_ISDIR(st.st_mode):
                 raise bad_path(path, "is a directory")
-            return os.path.join(fd_path(fd), name)
+            return path.rstrip("/")
         finally:
             os.close(fd)
 
     # --- staging ----------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def staging(self, prefix: str) -> Iterator[Staging]:
-        """A private directory for CRIU to work in, removed on exit unless renamed away."""
+    def staging(self, prefix: str, owner: Caller | None = None) -> Iterator[Staging]:
+        """A private directory for CRIU to work in, removed on exit unless renamed away.
+
+        Owned by ``owner`` when CRIU runs as the caller; its parent (root 0700) keeps everyone
+        but the helper from reaching it by path, the owner included.
+        """
         path = tempfile.mkdtemp(prefix=prefix + "-", dir=self.staging_root)
         fd = os.open(path, DIR_FLAGS)
         try:
+            if owner is not None and not owner.is_root:
+                os.fchown(fd, owner.uid, owner.gid)
             yield Staging(path=path, name=os.path.basename(path), fd=fd)
         finally:
             os.close(fd)

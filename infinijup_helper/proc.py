@@ -1,17 +1,16 @@
-"""Reading processes from /proc, and the authorization rules built on it.
+"""Reading processes from /proc.
 
-Every op that names a pid goes through :func:`authorize_pid`. The caller owns a process when
-all four of its uids (real, effective, saved, filesystem) are the caller's, so a setuid program
-running in the caller's tree does not count as theirs. A tree root the helper started is the
-exception: its init (nsinit) runs as root (see nsinit.py) and is owned by the uid named in its
-``--owner`` flag, which nobody but root can set. Ops that act on a whole tree need the pid to be
-the init of its own PID namespace, which is what makes "the tree" well defined.
+Which pids are kernel trees, and whose, is never read from here: that is the registry's
+(registry.py). /proc only says what is *below* a tree root the helper holds, and whether those
+processes are the caller's: all four uids (real, effective, saved, filesystem) the caller's,
+so a setuid program running in the caller's tree does not count as theirs.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from .protocol import RequestError
 
@@ -23,6 +22,7 @@ class Caller:
     pid: int
     uid: int
     gid: int
+    pidfd: int | None = field(default=None, compare=False)  # the peer (SO_PEERPIDFD)
 
     @property
     def is_root(self) -> bool:
@@ -71,76 +71,14 @@ def read_proc(pid: int) -> ProcInfo | None:
         return None  # the process vanished while we read it
 
 
-NSINIT_SUFFIX = "/infinijup_helper/nsinit.py"
-
-
-def nsinit_owner(info: ProcInfo) -> int | None:
-    """The ``--owner`` uid of a root-owned tree init the helper started, else None."""
-    if any(uid != 0 for uid in info.uids):
-        return None
-    try:
-        with open(f"/proc/{info.pid}/cmdline", "rb") as f:
-            args = f.read().split(b"\0")
-    except OSError:
-        return None
-    # [python, "-I", ".../infinijup_helper/nsinit.py", "--owner", "UID", ""]
-    if len(args) != 6 or args[1] != b"-I" or not args[2].endswith(NSINIT_SUFFIX.encode()):
-        return None
-    if args[3] != b"--owner" or not args[4].isdigit() or args[5] != b"":
-        return None
-    return int(args[4])
-
-
-def is_tree_root(info: ProcInfo) -> bool:
-    """A tree the helper launched or restored: the init of its own PID namespace, or (where
-    kernels run without one, see spawn.py) a root-owned nsinit carrying its ``--owner`` mark,
-    which only root can have started."""
-    return info.is_namespace_init or nsinit_owner(info) is not None
-
-
-def owner_of(info: ProcInfo) -> int | None:
-    """Whose process this is, by the rules above; None when its uids are mixed."""
-    if len(set(info.uids)) == 1 and info.uids[0] != 0:
-        return info.uids[0]
-    marked = nsinit_owner(info)
-    if marked is not None:
-        return marked
-    return 0 if set(info.uids) == {0} else None
-
-
-CAP_SYS_RESOURCE = 24
-
-
-def has_capability(cap: int, pid: int | str = "self") -> bool:
-    """Whether a process's effective capability set holds ``cap``."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("CapEff:"):
-                return bool(int(line.split()[1], 16) >> cap & 1)
-    return False
-
-
 def is_alive(pid: int) -> bool:
     info = read_proc(pid)
     return info is not None and not info.is_zombie
 
 
-def authorize_pid(caller: Caller, pid: int, *, tree_root: bool) -> ProcInfo:
-    """The live process ``pid`` if ``caller`` may act on it; else raise a :class:`RequestError`."""
-    info = read_proc(pid)
-    if info is None or info.is_zombie:
-        raise RequestError("no_such_process", f"no running process with pid {pid}")
-    if not caller.is_root and owner_of(info) != caller.uid:
-        raise RequestError(
-            "permission_denied", f"process {pid} does not belong to uid {caller.uid}"
-        )
-    if tree_root and not is_tree_root(info):
-        raise RequestError(
-            "bad_request",
-            f"process {pid} is not the root of a kernel tree (not a tree the helper "
-            "spawned or restored)",
-        )
-    return info
+def owns(caller: Caller, info: ProcInfo) -> bool:
+    """All four uids are the caller's (root owns everything)."""
+    return caller.is_root or all(uid == caller.uid for uid in info.uids)
 
 
 def tree_members(root: int) -> list[int]:
@@ -158,23 +96,28 @@ def tree_members(root: int) -> list[int]:
     return members
 
 
-def authorize_tree(caller: Caller, root: int) -> None:
-    """Every process below the root must be the caller's (no setuid program's memory in the
-    images), and there must be one: a tree whose kernel has gone is not worth dumping.
+def authorize_members(caller: Caller, root: int, alive: Callable[[], bool]) -> list[int]:
+    """The processes below a held tree root, each of which must be the caller's (no setuid
+    program's memory in the images), and there must be one: a tree whose kernel has gone is
+    not worth dumping. ``alive`` (the root's pidfd) is checked after the walk, so the children
+    read from /proc are those of the held root, not of a process that took its pid.
 
     Racy by nature (a process may exec a setuid binary a moment later); the dumped images are
     checked again afterwards. This early check keeps ``leave_running=False`` from stopping a
     tree whose images would then be refused.
     """
     members = tree_members(root)[1:]
+    if not alive():
+        raise RequestError("no_such_process", f"the tree of {root} has exited")
     if not members:
         raise RequestError("no_such_process", f"the tree of {root} has no process but its init")
     if caller.is_root:
-        return
+        return members
     for pid in members:
         info = read_proc(pid)
-        if info is not None and any(uid != caller.uid for uid in info.uids):
+        if info is not None and not owns(caller, info):
             raise RequestError(
                 "permission_denied",
                 f"process {pid} in the tree of {root} runs as uid {info.uids[1]}, not {caller.uid}",
             )
+    return members

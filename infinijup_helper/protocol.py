@@ -101,6 +101,11 @@ class SignalArgs:
 
 
 @dataclass(frozen=True)
+class TreesArgs:
+    pass
+
+
+@dataclass(frozen=True)
 class GpuArgs:
     pid: int
     action: str  # "release": VRAM to host memory, GPU freed; "reacquire": back onto the GPU
@@ -116,6 +121,7 @@ OpArgs = (
     | StatusArgs
     | SignalArgs
     | GpuArgs
+    | TreesArgs
 )
 
 # What a tree's nsinit forwards to the kernel (SIGKILL is the `kill` op).
@@ -292,6 +298,7 @@ ARG_SPECS: dict[str, tuple[type, dict[str, tuple[Validator, Any]]]] = {
     "status": (StatusArgs, {"pid": (_pid, _REQUIRED)}),
     "signal": (SignalArgs, {"pid": (_pid, _REQUIRED), "signum": (_signum, _REQUIRED)}),
     "gpu": (GpuArgs, {"pid": (_pid, _REQUIRED), "action": (_gpu_action, _REQUIRED)}),
+    "trees": (TreesArgs, {}),
 }
 
 OPS = frozenset(ARG_SPECS)

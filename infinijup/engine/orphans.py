@@ -4,16 +4,24 @@ The helper runs CRIU as a child; if the helper is killed while CRIU restores a k
 carries on and the restored tree comes up (re-parented to init) although nobody got its pid:
 the server sees ``helper_disconnected``. That tree listens on the kernel's own ports (they are
 in the snapshot), so it is found by its listening shell port: the process holding that socket,
-owned by us, below a helper-started init (``nsinit.py --owner UID``).
+below a tree root the helper recorded as ours. The helper records every tree it restores,
+before CRIU lets it run, in a file only root can write (``<socket>.trees.json``, pid and start
+time and owner; see infinijup_helper/registry.py): that record, not a command line anyone
+could imitate, says which tree is ours.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import stat
 import time
 
+from .. import config
+from ..process import start_time
+
 _LISTEN = "0A"
-_NSINIT = "nsinit.py"
+REGISTRY_SUFFIX = ".trees.json"
 
 
 def _listening_inodes(port: int) -> set[str]:
@@ -66,12 +74,31 @@ def _ppid(pid: int) -> int | None:
     return None
 
 
+def recorded_roots(uid: int, path: str | None = None) -> dict[int, int]:
+    """pid -> start time of ``uid``'s trees in the helper's registry (empty if unreadable or
+    not root's alone)."""
+    path = path or config.helper_socket() + REGISTRY_SUFFIX
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return {}
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+            return {}
+        try:
+            entries = json.loads(f.read(16 << 20))["trees"]
+            return {int(e["pid"]): int(e["start"]) for e in entries if int(e["owner"]) == uid}
+        except (ValueError, KeyError, TypeError):
+            return {}
+
+
 def tree_root_of(pid: int, uid: int) -> int | None:
-    """The helper-started init above ``pid`` that belongs to ``uid``, if any."""
+    """The tree root above ``pid`` that the helper recorded as ``uid``'s, if any."""
+    roots = recorded_roots(uid)
     seen = 0
     while pid and pid > 1 and seen < 8:
-        argv = _cmdline(pid)
-        if any(a.endswith(_NSINIT) for a in argv) and argv[-2:] == ["--owner", str(uid)]:
+        if pid in roots and start_time(pid) == roots[pid]:
             return pid
         pid = _ppid(pid) or 0
         seen += 1

@@ -71,6 +71,8 @@ class HelperDaemon:
     work_dir: str = ""
     log_path: str = ""
     proc: subprocess.Popen | None = None
+    extra_args: tuple[str, ...] = ()  # more command-line options (limits, timeouts)
+    extra_env: dict[str, str] = field(default_factory=dict)
     _log: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -88,7 +90,8 @@ class HelperDaemon:
     def start(self, timeout: float = 20.0) -> None:
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            self.argv(), env=helper_env(), stdout=self._log, stderr=subprocess.STDOUT, cwd="/"
+            self.argv(*self.extra_args), env={**helper_env(), **self.extra_env},
+            stdout=self._log, stderr=subprocess.STDOUT, cwd="/",
         )
         deadline = time.monotonic() + timeout
         while not socket_answers(self.socket_path):
@@ -322,3 +325,74 @@ print("ready", flush=True)
 while True:
     signal.pause()
 """
+
+
+# --- a second real account -------------------------------------------------------------------------
+def ensure_user(name: str = OTHER_USER) -> tuple[Any, bool]:
+    """The account ``name`` (created, no home, no login shell, when missing); True if created."""
+    import pwd
+
+    try:
+        return pwd.getpwnam(name), False
+    except KeyError:
+        pass
+    if shutil.which("useradd") is None:
+        pytest.skip("useradd is not installed: no second real account can be created")
+    subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+                   check=True)
+    return pwd.getpwnam(name), True
+
+
+def remove_user(user: Any, timeout: float = 60.0) -> None:
+    """userdel, once none of the account's processes is left (killed trees take a moment)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(
+            os.stat(f"/proc/{p}").st_uid == user.pw_uid
+            for p in os.listdir("/proc") if p.isdigit() and os.path.exists(f"/proc/{p}")):
+        time.sleep(0.05)
+    subprocess.run(["userdel", user.pw_name], check=False)
+
+
+@pytest.fixture(scope="session")
+def other_account() -> Iterator[Any]:
+    """The second real account of the tests (``infinijup-test-other``)."""
+    if MISSING:
+        pytest.skip(MISSING)
+    user, created = ensure_user()
+    yield user
+    if created:
+        remove_user(user)
+
+
+def as_user(user: Any, fn: Any) -> dict[str, Any]:
+    """Run ``fn`` in a forked child that has become ``user`` (uid, gid, no other groups).
+    Returns {"value": ...} or {"error": reason or exception name, "message": ...}."""
+    import json
+
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read_fd)
+            os.setgroups([])
+            os.setgid(user.pw_gid)
+            os.setuid(user.pw_uid)
+            try:
+                out: Any = {"value": fn()}
+            except Exception as exc:  # noqa: BLE001 - reported to the parent
+                out = {"error": getattr(exc, "reason", None) or type(exc).__name__,
+                       "message": str(exc)}
+            os.write(write_fd, json.dumps(out, default=repr).encode())
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    with os.fdopen(read_fd) as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    return json.loads(data)
+
+
+def user_argv(user: Any, argv: list[str]) -> list[str]:
+    """``argv`` run as ``user`` (through setpriv: the test process is threaded)."""
+    return ["setpriv", "--reuid", str(user.pw_uid), "--regid", str(user.pw_gid),
+            "--clear-groups", "--", *argv]

@@ -176,12 +176,6 @@ needs_system_python = pytest.mark.skipif(
 )
 
 
-def _root_has_cap_sys_resource() -> bool:
-    from infinijup_helper.proc import CAP_SYS_RESOURCE, has_capability
-
-    return has_capability(CAP_SYS_RESOURCE)
-
-
 class OwnTree:
     """A reader tree (helperkit.READER_SCRIPT) that the other user spawned in their work dir."""
 
@@ -221,17 +215,33 @@ class OwnTree:
         assert self.lines()[before] == expect
 
 
+def _status(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/status") as f:
+        return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+
+
 @needs_system_python
 def test_other_user_spawns_signals_and_kills_their_own_tree(helper, trees, other_user) -> None:
-    """The normal case: Jupyter as an ordinary user. Their tree's init is root-owned (CRIU
-    needs that), their kernel is theirs, and the helper lets them drive it."""
+    """The normal case: Jupyter as an ordinary user. Their tree's init and kernel run as them;
+    the init keeps only the two capabilities CRIU needs of it (CAP_SYS_ADMIN, CAP_SETGID) in a
+    PID namespace, and the user still cannot reach into it (no ptrace, no /proc/PID/mem)."""
     tree = OwnTree(helper, trees, other_user)
     (kernel,) = children_of(tree.root)
-    assert os.stat(f"/proc/{tree.root}").st_uid == 0  # the init
-    assert os.stat(f"/proc/{kernel}").st_uid == other_user.pw_uid  # the kernel
-    # they cannot signal the root-owned init themselves: that is what the signal op is for
-    denied = tree.as_user(lambda: os.kill(tree.root, signal.SIGUSR1))
-    assert denied.get("error") == "PermissionError"
+    uid = str(other_user.pw_uid)
+    init, kern = _status(tree.root), _status(kernel)
+    assert init["Uid"].split() == [uid] * 4 and kern["Uid"].split() == [uid] * 4
+    assert int(kern["CapEff"], 16) == int(kern["CapPrm"], 16) == 0  # the kernel holds nothing
+    namespaced = len(init["NSpid"].split()) == 2
+    init_caps = int(init["CapEff"], 16)
+    assert init_caps == (((1 << 21) | (1 << 6)) if namespaced else 0), hex(init_caps)
+    assert int(init["CapAmb"], 16) == 0 and int(kern["CapAmb"], 16) == 0
+    if namespaced:
+        # the user cannot read the capable init's memory or environment, nor trace it
+        for name in ("mem", "environ"):
+            denied = tree.as_user(lambda n=name: open(f"/proc/{tree.root}/{n}", "rb").read(1))
+            assert denied.get("error") == "PermissionError", (name, denied)
+        traced = tree.as_user(lambda: _ptrace_attach(tree.root))
+        assert traced == {"value": 1}, traced  # EPERM
     tree.poke(tree.root, "read 0003")
     assert tree.as_user(lambda: tree.client.status(tree.root).alive) == {"value": True}
     assert tree.as_user(lambda: tree.client.kill(tree.root)) == {"value": None}
@@ -240,13 +250,21 @@ def test_other_user_spawns_signals_and_kills_their_own_tree(helper, trees, other
     assert status == {"alive": False, "exit_code": -9}
 
 
+def _ptrace_attach(pid: int) -> int:
+    """PTRACE_SEIZE ``pid``; 0 on success, else errno."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.ptrace(0x4206, pid, 0, 0) == 0:
+        return 0
+    return ctypes.get_errno()
+
+
 @needs_system_python
-@pytest.mark.skipif(
-    not _root_has_cap_sys_resource(),
-    reason="root lacks CAP_SYS_RESOURCE here (sandboxed VM), so CRIU cannot read another "
-    "user's rlimits and no non-root process can be dumped",
-)
 def test_other_user_round_trips_their_own_tree(helper, trees, other_user) -> None:
+    """A plain account's own tree: dump, restore in place, dump the restored tree again, and
+    restore a branch beside it (a second copy), all through the real helper, here, where the
+    helper's root lacks CAP_SYS_RESOURCE: CRIU runs as the user (creds.py)."""
     tree = OwnTree(helper, trees, other_user)
     tree.poke(tree.root, "read 0003")
     images = os.path.join(tree.work, "own-images")
@@ -261,9 +279,24 @@ def test_other_user_round_trips_their_own_tree(helper, trees, other_user) -> Non
     tree.poke(new_root, "read 0004")
     (new_kernel,) = children_of(new_root)
     assert os.stat(f"/proc/{new_kernel}").st_uid == other_user.pw_uid
+    assert _status(new_kernel)["Uid"].split() == [str(other_user.pw_uid)] * 4
+    assert int(_status(new_kernel)["CapEff"], 16) == 0
+
+    # the restored tree is theirs to dump again, and the snapshot branches beside it
+    again = os.path.join(tree.work, "own-images-again")
+    assert "value" in tree.as_user(lambda: tree.client.dump(new_root, again).__dict__)
+    branch = tree.as_user(lambda: tree.client.restore(images).pid)
+    if "value" in branch:  # beside the original: needs PID namespaces (not on CUDA machines)
+        branch_root = trees.add(branch["value"])
+        tree.poke(branch_root, "read 0004")
+        mine = tree.as_user(lambda: tree.client.trees())["value"]
+        assert sorted(mine) == sorted([new_root, branch_root])
+        assert tree.as_user(lambda: tree.client.kill(branch_root)) == {"value": None}
+    else:
+        assert not helper_uses_pid_namespaces(tree), branch
 
     # Their images are sealed for them. The kernel's private memory is sealed by size only;
-    # everything else, the root-owned init's memory included, by hash: tampering is refused.
+    # everything else, the init's memory included, by hash: tampering is refused.
     seal = json.load(open(os.path.join(images, "infinijup-seal.json")))
     assert seal["owner"] == other_user.pw_uid
     by_hash = {n for n, v in seal["files"].items() if v["sha256"] is not None}
@@ -286,14 +319,8 @@ def test_other_user_round_trips_their_own_tree(helper, trees, other_user) -> Non
 
     assert tree.as_user(lambda: tree.client.kill(new_root)) == {"value": None}
     shutil.rmtree(images)
+    shutil.rmtree(again)
 
 
-@needs_system_python
-@pytest.mark.skipif(_root_has_cap_sys_resource(), reason="root has CAP_SYS_RESOURCE here")
-def test_non_root_dump_is_refused_clearly_without_cap_sys_resource(helper, trees, other_user):
-    tree = OwnTree(helper, trees, other_user)
-    images = os.path.join(tree.work, "never")
-    result = tree.as_user(lambda: tree.client.dump(tree.root, images))
-    assert result.get("error") == "unsupported" and "CAP_SYS_RESOURCE" in result["message"]
-    assert not os.path.exists(images)
-    assert tree.as_user(lambda: tree.client.kill(tree.root)) == {"value": None}
+def helper_uses_pid_namespaces(tree: OwnTree) -> bool:
+    return tree.as_user(lambda: tree.client.hello().features["pid_namespace"])["value"]

@@ -133,9 +133,15 @@ def test_helper_files_and_socket_modes(helper_up) -> None:
     assert mode(helper_up.socket_path) == (0, 0o666, stat.S_IFSOCK)
     assert mode(os.path.dirname(helper_up.socket_path)) == (0, 0o755, stat.S_IFDIR)
     assert mode(work) == (0, 0o711, stat.S_IFDIR)
-    for name, want in ((".staging", 0o700), (".nsinit", 0o700)):
+    for name, want in ((".staging", 0o700), (".nsinit", 0o711)):
         assert mode(os.path.join(work, name)) == (0, want, stat.S_IFDIR), name
+    assert mode(os.path.join(work, ".nsinit", "nsinit.py")) == (0, 0o644, stat.S_IFREG)
+    for entry in os.listdir(os.path.join(work, ".nsinit")):
+        if entry.isdigit():  # each uid's inits' cwd: only root and the inits may write it
+            st = os.lstat(os.path.join(work, ".nsinit", entry))
+            assert (st.st_uid, stat.S_IMODE(st.st_mode)) in ((0, 0o755), (0, 0o775)), entry
     assert mode(os.path.join(work, ".seal-key")) == (0, 0o600, stat.S_IFREG)
+    assert mode(helper_up.socket_path + ".trees.json")[:2] == (0, 0o644)
     for entry in os.listdir(work):
         if entry.isdigit():
             assert mode(os.path.join(work, entry)) == (int(entry), 0o700, stat.S_IFDIR), entry

@@ -1,0 +1,609 @@
+"""Issue 10's attacks, tried for real by a second real account against a real helper.
+
+Each test makes the attack, asserts that it fails with a clear error, and that nothing outside
+the attacker's own files changed: the target's bytes, owner and mode, the helper's socket, and
+other users' operations, which complete meanwhile. Races run in loops bounded by a count of
+attempts, never by time. docs/security.md lists which test covers which attack.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helperkit import (
+    PYTHON,
+    HelperDaemon,
+    Trees,
+    as_user,
+    kernel_env,
+    make_base,
+    needs_root_and_criu,
+    user_argv,
+    wait_for,
+)
+
+pytestmark = needs_root_and_criu
+
+SYSTEM_PYTHON = "/usr/bin/python3"  # the account's kernel: a Python every user can run
+
+# A kernel-shaped process of the attacker: holds what its mode says inside directory d.
+HOLDER = r"""
+import os, socket, sys, time
+d, mode = sys.argv[1], sys.argv[2]
+keep = []
+if mode == "file":
+    keep.append(os.open(os.path.join(d, "passwd"), os.O_RDWR))
+elif mode == "socket":
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(os.path.join(d, "helper.sock"))
+    s.listen()
+    keep.append(s)
+elif mode == "ghost":
+    fd = os.open(os.path.join(d, "ghost"), os.O_RDWR | os.O_CREAT, 0o644)
+    os.write(fd, b"planted by the attacker\n")
+    os.unlink(os.path.join(d, "ghost"))
+    keep.append(fd)
+print("ready", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def snapshot_of(path: str) -> tuple[Any, ...]:
+    """What must not change about a file: bytes, owner, group, mode, inode."""
+    st = os.lstat(path)
+    data = b""
+    if stat.S_ISREG(st.st_mode):
+        data = hashlib.sha256(Path(path).read_bytes()).digest()
+    return (data, st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode), stat.S_IFMT(st.st_mode),
+            st.st_ino)
+
+
+@pytest.fixture
+def root_dir() -> Iterator[Path]:
+    """A root-owned directory (0755) with a root-owned file in it: what the attacks aim at."""
+    base = Path(f"/var/tmp/ijsec-{secrets.token_hex(4)}")
+    base.mkdir(mode=0o755)
+    os.chmod(base, 0o755)
+    (base / "passwd").write_text("root:x:0:0:root:/root:/bin/bash\n" * 4)
+    os.chmod(base / "passwd", 0o644)
+    private = base / "private"
+    private.mkdir(mode=0o700)
+    (private / "secret").write_text("only root may read this\n")
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+class Account:
+    """The second account, driving the helper as itself."""
+
+    def __init__(self, helper: HelperDaemon, user: Any, trees: Trees) -> None:
+        from infinijup.helper_client import HelperClient
+
+        self.user = user
+        self.trees = trees
+        self.client = HelperClient(helper.socket_path, timeout=300)
+        self.work = self.call(self.client.work_dir)["value"]
+
+    def call(self, fn: Any) -> dict[str, Any]:
+        return as_user(self.user, fn)
+
+    def own(self, path: str | Path) -> None:
+        os.lchown(path, self.user.pw_uid, self.user.pw_gid)
+
+    def spawn_holder(self, d: Path, mode: str, cwd: str | None = None) -> int:
+        script = Path(self.work) / "holder.py"
+        script.write_text(HOLDER)
+        self.own(script)
+        log = os.path.join(self.work, f"holder-{mode}-{secrets.token_hex(3)}.log")
+        argv = [SYSTEM_PYTHON, str(script), str(d), mode]
+        env = {"PATH": "/usr/bin:/bin", "HOME": self.work}
+        got = self.call(lambda: self.client.spawn(argv, env, cwd or self.work, log))
+        assert "value" in got, got
+        root = self.trees.add(got["value"])
+        wait_for(lambda: "ready" in (Path(log).read_text() if os.path.exists(log) else ""),
+                 what=f"the {mode} holder to be ready")
+        return root
+
+
+@pytest.fixture
+def account(helper, other_account, trees) -> Account:
+    return Account(helper, other_account, trees)
+
+
+def swap_for_symlink(d: Path, target: Path, account: Account) -> None:
+    """The attacker replaces their directory ``d`` by a symlink to ``target``."""
+    shutil.rmtree(d)
+    d.symlink_to(target)
+    account.own(d)
+
+
+def dump_then_swap_and_restore(account: Account, d: Path, mode: str, target: Path,
+                               cwd: str | None = None) -> dict[str, Any]:
+    root = account.spawn_holder(d, mode, cwd=cwd)
+    images = os.path.join(account.work, f"images-{mode}-{secrets.token_hex(3)}")
+    dumped = account.call(lambda: account.client.dump(root, images).__dict__)
+    assert "value" in dumped, dumped
+    # Positive control: these very images restore fine while the paths are the attacker's
+    # own, so a refusal below comes from the swap, not from something else.
+    restored = account.call(lambda: account.client.restore(images, replace_pid=root).pid)
+    assert "value" in restored, restored
+    root = account.trees.add(restored["value"])
+    assert account.call(lambda: account.client.kill(root)) == {"value": None}
+    swap_for_symlink(d, target, account)
+    return account.call(lambda: account.client.restore(images))
+
+
+def assert_refused_by_permissions(result: dict[str, Any]) -> None:
+    assert result.get("error") == "criu_failed", result
+    assert "Permission denied" in result["message"], result["message"]
+
+
+def no_process_holds(path: str, uid: int) -> bool:
+    """No process of ``uid`` has ``path`` open."""
+    real = os.path.realpath(path)
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{pid}").st_uid != uid:
+                continue
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == real:
+                    return False
+        except OSError:
+            continue
+    return True
+
+
+def test_restore_does_not_reopen_files_through_a_swapped_symlink(account, root_dir) -> None:
+    """Attack 1: the kernel holds ~/d/passwd read-write (same size and mode as a root-owned
+    passwd); ~/d becomes a symlink to the root-owned directory; restore. CRIU reopens files as
+    the caller, so it gets EACCES instead of a writable root-owned file."""
+    d = Path(account.work) / f"d-{secrets.token_hex(3)}"
+    d.mkdir()
+    shutil.copy(root_dir / "passwd", d / "passwd")
+    os.chmod(d / "passwd", 0o644)
+    account.own(d)
+    account.own(d / "passwd")
+    before = snapshot_of(str(root_dir / "passwd"))
+    result = dump_then_swap_and_restore(account, d, "file", root_dir)
+    assert_refused_by_permissions(result)
+    assert snapshot_of(str(root_dir / "passwd")) == before
+    assert no_process_holds(str(root_dir / "passwd"), account.user.pw_uid)
+
+
+def test_restore_does_not_bind_unix_sockets_through_a_swapped_symlink(helper, account) -> None:
+    """Attack 1, socket variant: the kernel listens on ~/d/helper.sock; ~/d becomes a symlink
+    to the helper's own socket directory; restore. Binding (and unlinking a stale socket) is
+    done as the caller: refused, and the helper's socket is untouched and still serves."""
+    run_dir = Path(helper.socket_path).parent
+    d = Path(account.work) / f"d-{secrets.token_hex(3)}"
+    d.mkdir()
+    account.own(d)
+    before = snapshot_of(helper.socket_path)
+    result = dump_then_swap_and_restore(account, d, "socket", run_dir)
+    assert result.get("error") == "criu_failed", result
+    assert snapshot_of(helper.socket_path) == before
+    assert os.stat(helper.socket_path).st_uid == 0
+    from infinijup.helper_client import HelperClient
+
+    assert HelperClient(helper.socket_path, timeout=30).hello().uid == 0  # root still served
+
+
+def test_restore_does_not_enter_a_swapped_cwd(account, root_dir) -> None:
+    """Attack 1, cwd variant: the kernel's cwd is ~/d; ~/d becomes a symlink to a root-only
+    directory (a cwd inside it would reach its files by relative paths). Refused."""
+    d = Path(account.work) / f"d-{secrets.token_hex(3)}"
+    d.mkdir()
+    account.own(d)
+    before = sorted(os.listdir(root_dir / "private"))
+    result = dump_then_swap_and_restore(account, d, "cwd", root_dir / "private", cwd=str(d))
+    assert_refused_by_permissions(result)
+    assert sorted(os.listdir(root_dir / "private")) == before
+
+
+def test_restore_does_not_create_ghost_files_through_a_swapped_symlink(account, root_dir):
+    """Attack 1, ghost file variant: the kernel holds a deleted file of ~/d, which CRIU
+    recreates at restore; ~/d becomes a symlink to a root-owned directory. Creating it there
+    is refused (it would be a file of the attacker's content in root's directory)."""
+    d = Path(account.work) / f"d-{secrets.token_hex(3)}"
+    d.mkdir()
+    account.own(d)
+    before = sorted(os.listdir(root_dir))
+    result = dump_then_swap_and_restore(account, d, "ghost", root_dir)
+    assert_refused_by_permissions(result)
+    assert sorted(os.listdir(root_dir)) == before
+
+
+# --- the registry: which pids are trees, and whose -----------------------------------------------
+
+
+def _user_process(account: Account, argv: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(user_argv(account.user, argv), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+
+def test_a_users_own_namespace_init_is_not_a_tree(account) -> None:
+    """Attack 7: a PID-namespace init the user made (unshare) used to pass as a tree root;
+    a fake ``nsinit.py --owner <victim>`` command line used to pass as another user's init.
+    The helper acts only on trees it recorded itself: both are refused, as is a plain
+    process of the user's, and the server-side orphan finder ignores the fake."""
+    from infinijup.engine.orphans import tree_root_of
+
+    ns_init = _user_process(account, ["unshare", "--user", "--map-root-user", "--pid",
+                                      "--fork", "sleep", "600"])
+    fake_dir = Path(account.work) / f"x-{secrets.token_hex(3)}" / "infinijup_helper"
+    fake_dir.mkdir(parents=True)
+    (fake_dir / "nsinit.py").write_text("import time\ntime.sleep(600)\n")
+    for p in (fake_dir.parent, fake_dir, fake_dir / "nsinit.py"):
+        account.own(p)
+    fake = _user_process(account, [SYSTEM_PYTHON, "-I", str(fake_dir / "nsinit.py"),
+                                   "--owner", "0"])
+    try:
+        wait_for(lambda: any(_is_namespace_init(c) for c in _children(ns_init.pid)),
+                 what="the user's namespace init")
+        (inner,) = [c for c in _children(ns_init.pid) if _is_namespace_init(c)]
+        for pid in (inner, fake.pid, ns_init.pid):
+            for op in ("dump", "kill", "signal", "restore over"):
+                result = account.call(lambda pid=pid, op=op: {
+                    "dump": lambda: account.client.dump(pid, account.work + "/stolen"),
+                    "kill": lambda: account.client.kill(pid),
+                    "signal": lambda: account.client.signal(pid, signal.SIGTERM),
+                    "restore over": lambda: account.client.restore(account.work + "/none",
+                                                                   replace_pid=pid),
+                }[op]())
+                assert result.get("error") == "no_such_process", (pid, op, result)
+                assert "not a kernel tree this helper runs" in result["message"]
+        assert tree_root_of(fake.pid, 0) is None  # the fake "--owner 0" is nobody's tree
+        assert account.call(lambda: account.client.trees()) == {"value": []}
+        assert not os.path.exists(account.work + "/stolen")
+    finally:
+        for proc in (ns_init, fake):
+            proc.kill()
+            proc.wait()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            out += [int(x) for x in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
+    except OSError:
+        pass
+    return out
+
+
+def _is_namespace_init(pid: int) -> bool:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("NSpid:"):
+                return line.split()[-1] == "1" and len(line.split()) > 2
+    except OSError:
+        pass
+    return False
+
+
+def test_a_recycled_pid_is_not_the_tree_it_was(helper, client, account, trees) -> None:
+    """Attack 3: a user's tree ends and its pid is handed to a root process (the test sets
+    ns_last_pid, as a user can cycle pids until they come round). Dumping, signalling or
+    killing that pid is refused: the helper knew the tree by pid *and* start time, and the
+    tree is gone. The root process is untouched and nothing is dumped."""
+    root = account.spawn_holder(Path(account.work), "none")
+    assert account.call(lambda: account.client.kill(root)) == {"value": None}
+    victim = _root_process_at(root)
+    try:
+        assert victim.pid == root
+        for op, fn in (("dump", lambda: account.client.dump(root, account.work + "/stolen")),
+                       ("signal", lambda: account.client.signal(root, signal.SIGTERM)),
+                       ("kill", lambda: account.client.kill(root))):
+            result = account.call(fn)
+            assert result.get("error") == "no_such_process", (op, result)
+        assert victim.poll() is None  # alive, unsignalled
+        assert not os.path.exists(account.work + "/stolen")
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def _root_process_at(pid: int) -> subprocess.Popen:
+    """A root process that gets ``pid`` (bounded: a few hundred forks at most)."""
+    for _ in range(300):
+        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+            f.write(str(pid - 1))
+        proc = subprocess.Popen(["sleep", "600"])
+        if proc.pid == pid:
+            return proc
+        proc.kill()
+        proc.wait()
+    raise AssertionError(f"could not get pid {pid} back")
+
+
+# --- paths: release through a mount namespace of the attacker -----------------------------------
+
+
+FLIPPER = r"""
+import os, sys, time
+link, real, target = sys.argv[1], sys.argv[2], sys.argv[3]
+while True:
+    try:
+        os.rename(real, link)            # a directory at the name
+        os.symlink(target, real)
+        os.rename(real, link)            # now a symlink at the name
+        os.mkdir(real)
+    except OSError:
+        time.sleep(0)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/sys/user/max_user_namespaces"),
+                    reason="no user namespaces on this kernel")
+def test_release_through_a_mount_namespace_and_a_flipping_symlink(helper, account, root_dir):
+    """Attack 2: the user's own mount namespace (unshare -Urm) with / bound under their work
+    dir, and a component of the released path flipping between a directory and a symlink into
+    /proc/<their pid>/root/... while release requests repeat (300 tries). Paths are resolved
+    beneath the work dir with openat2 (no symlinks, no magic links, no mount crossings), so
+    root's file and directory stay."""
+    work = Path(account.work)
+    bound = work / f"bound-{secrets.token_hex(3)}"
+    bound.mkdir()
+    account.own(bound)
+    keeper = subprocess.Popen(
+        user_argv(account.user, ["unshare", "--user", "--map-root-user", "--mount",
+                                 "--propagation", "private", "sh", "-c",
+                                 f"mount --rbind / {bound} && echo bound && exec sleep 600"]),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert keeper.stdout.readline().strip() == "bound", "unshare -Urm failed"
+    (root_dir / "tree" / "sub").mkdir(parents=True)
+    (root_dir / "tree" / "sub" / "file").write_text("root's\n")
+    before = {p: snapshot_of(str(root_dir / p)) for p in ("passwd", "tree", "tree/sub/file")}
+    through = f"/proc/{keeper.pid}/root{bound}{root_dir}"
+    tag = secrets.token_hex(3)
+    flip_name, flip_real = work / f"a-{tag}", work / f"a-{tag}.real"
+    flip_real.mkdir()
+    account.own(flip_real)
+    script = work / "flipper.py"
+    script.write_text(FLIPPER)
+    account.own(script)
+    flipper = subprocess.Popen(user_argv(account.user, [SYSTEM_PYTHON, str(script),
+                                                        str(flip_name), str(flip_real),
+                                                        through]))
+    outcomes: dict[str, int] = {}
+    try:
+        for i in range(300):
+            name = ("passwd", "tree")[i % 2]
+            result = account.call(lambda n=name: account.client.release(str(flip_name / n)))
+            key = result.get("error", "ok")
+            outcomes[key] = outcomes.get(key, 0) + 1
+            assert key in ("ok", "bad_path"), result
+    finally:
+        flipper.kill()
+        flipper.wait()
+        keeper.kill()
+        keeper.wait()
+    assert {p: snapshot_of(str(root_dir / p)) for p in before} == before
+    assert outcomes.get("bad_path", 0) > 0, outcomes  # the symlink was met, and refused
+
+
+# --- denial of service ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def strict_helper() -> Iterator[HelperDaemon]:
+    """A helper of its own with small limits, so the tests reach them with few resources."""
+    daemon = HelperDaemon(make_base(), extra_args=(
+        "--max-connections-per-user", "8", "--max-ops-per-user", "2",
+        "--max-trees-per-user", "3", "--request-timeout", "2", "--criu-timeout", "5"))
+    daemon.start()
+    yield daemon
+    daemon.stop()
+    shutil.rmtree(daemon.base, ignore_errors=True)
+
+
+def _raw_connect(path: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(60)
+    s.connect(path)
+    return s
+
+
+def test_idle_connections_of_one_user_do_not_lock_out_others(strict_helper, other_account):
+    """Attack 5: one user opens 200 connections and sends nothing. They get ``busy`` past their
+    own share (8 here); root and the user's own later requests still get answers; a connection
+    that trickles a partial request is closed at its deadline with ``request_timeout``."""
+    import json
+
+    from infinijup.helper_client import HelperClient
+
+    # The hog runs in a child as the user and keeps its sockets until told to stop.
+    r, w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        os.close(go_w)
+        os.setgroups([])
+        os.setgid(other_account.pw_gid)
+        os.setuid(other_account.pw_uid)
+        held, refused = [], 0
+        for _ in range(200):
+            s = _raw_connect(strict_helper.socket_path)
+            s.settimeout(0.5)
+            try:
+                data = s.recv(4096)
+            except (TimeoutError, BlockingIOError):
+                data = b""
+            if b'"busy"' in data:
+                refused += 1
+                s.close()
+            else:
+                held.append(s)
+        os.write(w, json.dumps({"held": len(held), "refused": refused}).encode())
+        os.close(w)
+        os.read(go_r, 1)  # hold them until the parent has checked
+        os._exit(0)
+    os.close(w)
+    os.close(go_r)
+    try:
+        counts = json.loads(os.read(r, 4096))
+        assert counts == {"held": 8, "refused": 192}, counts
+        assert HelperClient(strict_helper.socket_path, timeout=30).hello().uid == 0
+        # a trickled request: one byte, then nothing
+        s = _raw_connect(strict_helper.socket_path)
+        s.sendall(b"{")
+        reply = json.loads(s.makefile("rb").readline())
+        assert reply["error"]["reason"] == "request_timeout", reply
+        s.close()
+    finally:
+        os.write(go_w, b"x")
+        os.close(go_w)
+        os.close(r)
+        os.waitpid(pid, 0)
+    other = HelperClient(strict_helper.socket_path, timeout=30)
+    assert as_user(other_account, lambda: other.hello().uid) == {"value": other_account.pw_uid}
+
+
+def test_tree_and_operation_limits_per_user(strict_helper, other_account) -> None:
+    """A user cannot start more kernel trees than their share (3 here): the next spawn is
+    refused with ``limit_reached``; root is not limited."""
+    from infinijup.helper_client import HelperClient
+
+    client = HelperClient(strict_helper.socket_path, timeout=120)
+    work = as_user(other_account, client.work_dir)["value"]
+    argv = [SYSTEM_PYTHON, "-c", "import time; time.sleep(600)"]
+    env = {"PATH": "/usr/bin:/bin"}
+    started = []
+    try:
+        for i in range(3):
+            got = as_user(other_account, lambda i=i: client.spawn(argv, env, work,
+                                                                 f"{work}/t{i}.log"))
+            assert "value" in got, got
+            started.append(got["value"])
+        refused = as_user(other_account, lambda: client.spawn(argv, env, work, f"{work}/t9.log"))
+        assert refused.get("error") == "limit_reached", refused
+        assert "3" in refused["message"]
+        root_work = client.work_dir()
+        mine = client.spawn([PYTHON, "-c", "import time; time.sleep(600)"], kernel_env(),
+                            root_work, f"{root_work}/r.log")
+        client.kill(mine)
+    finally:
+        for pid in started:
+            as_user(other_account, lambda pid=pid: client.kill(pid))
+
+
+def _stop_criu_of(uid: int, found: dict[str, int], done: Any) -> None:
+    """Stop (SIGSTOP, as that user: it runs with their uid) the first CRIU of ``uid`` seen."""
+    while not done.is_set():
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                if os.stat(f"/proc/{pid}").st_uid == uid and argv[0].endswith(b"criu") \
+                        and argv[1:2] == [b"swrk"]:
+                    user = pwd_of(uid)
+                    subprocess.run(user_argv(user, ["kill", "-STOP", pid]), check=True)
+                    found["criu"] = int(pid)
+                    return
+            except (OSError, IndexError):
+                continue
+        time.sleep(0.001)
+
+
+def pwd_of(uid: int) -> Any:
+    import pwd
+
+    return pwd.getpwuid(uid)
+
+
+def _stalled_dump(helper_socket: str, user: Any) -> tuple[Any, int, str, dict, Any]:
+    """The user's tree, and a dump of it whose CRIU the user stopped; returns (thread, tree,
+    work, results, client) once that CRIU is stopped."""
+    import threading
+
+    from infinijup.helper_client import HelperClient
+
+    client = HelperClient(helper_socket, timeout=600)
+    work = as_user(user, client.work_dir)["value"]
+    got = as_user(user, lambda: client.spawn(
+        [SYSTEM_PYTHON, "-c", "import time; time.sleep(600)"], {"PATH": "/usr/bin:/bin"}, work,
+        f"{work}/stall-{secrets.token_hex(3)}.log"))
+    assert "value" in got, got
+    tree = got["value"]
+    results: dict[str, Any] = {}
+    done = threading.Event()
+    stopper = threading.Thread(target=_stop_criu_of, args=(user.pw_uid, results, done))
+    stopper.start()
+
+    def dump() -> None:
+        results["dump"] = as_user(user, lambda: client.dump(tree, f"{work}/stalled"))
+        done.set()
+
+    dumper = threading.Thread(target=dump)
+    dumper.start()
+    stopper.join()
+    return dumper, tree, work, results, client
+
+
+def test_a_stalled_criu_holds_nobody_else(helper, client, trees, other_account) -> None:
+    """Attack 4: the user's CRIU stalls (here the user stops it with SIGSTOP: it runs as them)
+    and stays stalled while another user's snapshot runs to completion (no helper-wide CRIU
+    lock left to hold them). Then it is killed, and that dump fails cleanly."""
+    dumper, tree, work, results, other = _stalled_dump(helper.socket_path, other_account)
+    assert "criu" in results, results
+    try:
+        root_work = client.work_dir()
+        mine = trees.add(client.spawn([PYTHON, "-c", "import time; time.sleep(600)"],
+                                      kernel_env(), root_work, f"{root_work}/nolock.log"))
+        done = client.dump(mine, f"{root_work}/while-stalled-{secrets.token_hex(3)}")
+        assert done.image_bytes > 0
+        assert dumper.is_alive()  # the stalled dump is still stalled: it never released CRIU
+    finally:
+        os.kill(results["criu"], signal.SIGKILL)
+        dumper.join()
+    assert results["dump"].get("error") == "criu_failed", results["dump"]
+    assert not os.path.exists(f"{work}/stalled")
+    assert as_user(other_account, lambda: other.status(tree).alive) == {"value": True}
+    as_user(other_account, lambda: other.kill(tree))
+
+
+def test_a_stalled_criu_is_stopped_at_its_deadline(strict_helper, other_account) -> None:
+    """The CRIU watchdog: a stalled CRIU that nobody kills is killed at its deadline (5 s plus
+    a second per 16 MiB here), and the dump fails with a clear ``criu_failed``; the user's
+    tree is left running."""
+    dumper, tree, work, results, client = _stalled_dump(strict_helper.socket_path,
+                                                        other_account)
+    dumper.join()
+    assert "criu" in results, results
+    assert results["dump"].get("error") == "criu_failed", results["dump"]
+    assert "did not finish within" in results["dump"]["message"], results["dump"]
+    assert not os.path.exists(f"/proc/{results['criu']}")  # killed
+    assert not os.path.exists(f"{work}/stalled")
+    assert as_user(other_account, lambda: client.status(tree).alive) == {"value": True}
+    as_user(other_account, lambda: client.kill(tree))
+
+
+def test_criu_runs_as_the_caller() -> None:
+    """Documentation by test: the CRIU a non-root dump starts runs with the caller's uid and
+    only the capabilities creds.py names (no CAP_DAC_*, no CAP_SETUID)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from infinijup_helper.creds import CRIU_DUMP_CAPS, CRIU_RESTORE_CAPS, RunAs
+
+    argv = RunAs(1234, 1234, (1234, 5), CRIU_RESTORE_CAPS).setpriv_argv("setpriv")
+    assert argv[:5] == ["setpriv", "--reuid", "1234", "--regid", "1234"]
+    caps = argv[argv.index("--ambient-caps") + 1]
+    assert caps.startswith("-all,") and "dac" not in caps and "setuid" not in caps
+    assert "sys_resource" not in ",".join(RunAs(1, 1, (), CRIU_DUMP_CAPS).setpriv_argv("s"))
