@@ -11,8 +11,34 @@
  *
  * Playwright cannot download browsers here: Debian's chromium is used
  * (apt-get install -y chromium); override with CHROMIUM_PATH.
+ *
+ * Each run starts its own JupyterLab on a free port (INFINIJUP_UI_PORT picks
+ * one) and never reuses a server already listening there: a foreign server
+ * (a developer's `make lab` on 8888, another run) would test other code
+ * against another store. The runner picks the port and a run id once; the
+ * workers, which load this file again, inherit both through the environment.
+ * tests/own-server.spec.ts checks that the server is this run's.
  */
+const { execFileSync } = require('child_process');
+const crypto = require('crypto');
+
 const baseConfig = require('@jupyterlab/galata/lib/playwright-config');
+
+if (!process.env.INFINIJUP_UI_PORT) {
+  // Ask the kernel for a free port (a child process: the config is sync).
+  process.env.INFINIJUP_UI_PORT = execFileSync(process.execPath, [
+    '-e',
+    "const s = require('net').createServer();" +
+      "s.listen(0, '127.0.0.1', () => { process.stdout.write(String(s.address().port)); s.close(); });"
+  ])
+    .toString()
+    .trim();
+}
+if (!process.env.INFINIJUP_UI_RUN_ID) {
+  process.env.INFINIJUP_UI_RUN_ID = crypto.randomBytes(8).toString('hex');
+}
+const PORT = Number(process.env.INFINIJUP_UI_PORT);
+const BASE_URL = `http://localhost:${PORT}`;
 
 const chromium = {
   browserName: 'chromium',
@@ -44,7 +70,7 @@ module.exports = {
   use: {
     ...baseConfig.use,
     ...chromium,
-    baseURL: 'http://localhost:8888',
+    baseURL: BASE_URL,
     trace: 'retain-on-failure',
     video: 'off',
     viewport: { width: 1400, height: 900 }
@@ -69,9 +95,11 @@ module.exports = {
       : [])
   ],
   webServer: {
-    command: 'jlpm start',
-    url: 'http://localhost:8888/lab',
+    command: `jlpm start --ServerApp.port=${PORT}`,
+    url: `${BASE_URL}/lab`,
     timeout: 120 * 1000,
-    reuseExistingServer: !process.env.CI
+    // Never: a server already on the port is not this run's (Playwright then
+    // stops with "already used").
+    reuseExistingServer: false
   }
 };

@@ -15,7 +15,13 @@ import {
   test
 } from '@jupyterlab/galata';
 
-import { execute, openHistory, toasts, waitForKernelIdle } from './helpers';
+import {
+  execute,
+  openHistory,
+  screenshot,
+  toasts,
+  waitForKernelIdle
+} from './helpers';
 
 /** Distinguishes this run's notebooks from those of earlier runs. */
 const RUN = Date.now().toString(36);
@@ -192,6 +198,16 @@ test.describe('Infinijup end to end @backend', () => {
     await expect(
       row(page, first).locator('.jp-Infinijup-chip-thread')
     ).toHaveText('main');
+    // The kernel described the commit: its last cell and the variable it set.
+    await expect(
+      row(page, first).locator('.jp-Infinijup-row-message')
+    ).toHaveText('[1] x = 41');
+    await row(page, first).click();
+    await expect(
+      page.locator(
+        '#infinijup-history .jp-Infinijup-vars > .jp-Infinijup-vartable tr'
+      )
+    ).toHaveText([/^x\s*int\s*\d+ B$/]);
 
     expect(await run(page, 'x = 99\nx')).toBe('99');
 
@@ -206,7 +222,7 @@ test.describe('Infinijup end to end @backend', () => {
       .click();
     await expect(
       toasts(page).filter({ hasText: `Restored ${first}` })
-    ).toBeVisible({
+    ).toContainText('next snapshot on main', {
       timeout: OP_TIMEOUT
     });
 
@@ -320,31 +336,103 @@ test.describe('Infinijup end to end @backend', () => {
     });
   });
 
-  test("restoring an unknown commit shows the server's error", async ({
+  test('an unknown commit is refused before any confirmation; the kernel is untouched', async ({
     page,
     tmpPath
   }) => {
     const { name } = await infinijupNotebook(page, tmpPath, 'unknown');
     expect(await run(page, 'y = 7\ny')).toBe('7');
-    const response = page.waitForResponse(r =>
-      /\/infinijup\/restore/.test(r.url())
-    );
+    const restores: string[] = [];
+    page.on('request', r => {
+      if (/\/infinijup\/restore/.test(r.url())) {
+        restores.push(r.url());
+      }
+    });
     await execute(page, 'infinijup:restore', { commit: 'deadbeefdeadbeef' });
+    await expect(
+      toasts(page).filter({
+        hasText: `No snapshot “deadbeefdeadbeef” in the history of ${name}`
+      })
+    ).toBeVisible();
+    await expect(page.locator('.jp-Dialog')).toHaveCount(0);
+    expect(restores).toEqual([]);
+    expect(await run(page, 'print(y)')).toBe('7');
+  });
+
+  test('after restoring an older commit the panel says the next snapshot starts main-1, and it does', async ({
+    page,
+    tmpPath
+  }, testInfo) => {
+    const { kernelId } = await infinijupNotebook(page, tmpPath, 'next');
+    expect(await run(page, 'x = 1\nx')).toBe('1');
+    const a = await snapshot(page);
+    expect(await run(page, 'x = 2\nx')).toBe('2');
+    await snapshot(page);
+    await openHistory(page);
+    const headline = page.locator('#infinijup-history .jp-Infinijup-headline');
+    await expect(headline).toContainText('next snapshot on main');
+
+    await row(page, a).click();
+    await page
+      .locator('#infinijup-history .jp-Infinijup-details')
+      .getByRole('button', { name: 'Restore' })
+      .click();
     await page
       .locator('.jp-Dialog')
       .getByRole('button', { name: 'Restore' })
       .click();
-    const reply = await response;
-    expect(reply.status()).toBe(404);
-    const body = await reply.json();
-    expect(typeof body.reason).toBe('string');
-    const toast = toasts(page).filter({
-      hasText: `Restore of ${name} failed`
+    const toast = toasts(page).filter({ hasText: `Restored ${a}` });
+    await expect(toast).toContainText(
+      'next snapshot starts new thread main-1',
+      { timeout: OP_TIMEOUT }
+    );
+    await expect(toast).not.toContainText('null');
+    await expect(headline).toHaveText(
+      `HEAD ${a} (not a thread tip) · next snapshot starts new thread main-1`
+    );
+    const history = await (
+      await page.request.get(`/infinijup/history?kernel_id=${kernelId}`)
+    ).json();
+    expect(history.head.next_thread).toBe('main-1');
+    await screenshot(
+      page.locator('#infinijup-history'),
+      testInfo,
+      'backend-next-thread',
+      { docs: false }
+    );
+    // The next snapshot goes where the panel said.
+    expect(await run(page, 'x = 3\nx')).toBe('3');
+    await snapshot(page, 'main-1');
+    await expect(headline).toContainText('next snapshot on main-1');
+  });
+
+  test('a plain python3 kernel: the shortcut says why it cannot be snapshotted', async ({
+    page
+  }) => {
+    await page.notebook.createNew(`plain-${RUN}.ipynb`, { kernel: 'python3' });
+    await waitForKernelIdle(page);
+    const kernelId = await page.evaluate(
+      () =>
+        (window as any).jupyterapp.shell.currentWidget.sessionContext.session
+          .kernel.id as string
+    );
+    const status = await (
+      await page.request.get(`/infinijup/status?kernel_id=${kernelId}`)
+    ).json();
+    expect(status.managed).toBe(false);
+    const snapshots: string[] = [];
+    page.on('request', r => {
+      if (/\/infinijup\/snapshot/.test(r.url())) {
+        snapshots.push(r.url());
+      }
     });
-    await expect(toast).toBeVisible();
-    await expect(toast).toContainText(`(${body.reason})`);
-    // The kernel was not touched.
-    expect(await run(page, 'print(y)')).toBe('7');
+    await page.notebook.selectCells(0);
+    await page.keyboard.press('Escape');
+    await page.keyboard.press('Control+Alt+s');
+    await expect(
+      toasts(page).filter({ hasText: 'is not managed by Infinijup' })
+    ).toContainText('Python 3 (Infinijup)');
+    expect(snapshots).toEqual([]);
   });
 
   test('snapshots from %snapshot and the shortcut appear in the panel live', async ({
@@ -367,5 +455,57 @@ test.describe('Infinijup end to end @backend', () => {
     await page.keyboard.press('Escape');
     await page.keyboard.press('Control+Alt+s');
     await expect(rows).toHaveCount(2, { timeout: OP_TIMEOUT });
+  });
+
+  // Issue 11: needs POST /infinijup/resume on the server.
+  test('resume: a notebook whose kernel was shut down resumes a snapshot, here and in a new notebook', async ({
+    page,
+    tmpPath
+  }, testInfo) => {
+    const { name } = await infinijupNotebook(page, tmpPath, 'resume');
+    expect(await run(page, 'x = 41\nx')).toBe('41');
+    const a = await snapshot(page);
+    expect(await run(page, 'x = 99\nx')).toBe('99');
+    await page.evaluate(() =>
+      (window as any).jupyterapp.shell.currentWidget.sessionContext.shutdown()
+    );
+    await openHistory(page);
+    const panel = page.locator('#infinijup-history');
+    await expect(panel.locator('.jp-Infinijup-status')).toContainText(
+      'No kernel is running'
+    );
+    await expect(panel.locator('.jp-Infinijup-row')).toHaveCount(1);
+    await row(page, a).click();
+    await screenshot(panel, testInfo, 'backend-no-kernel', { docs: false });
+    await panel
+      .locator('.jp-Infinijup-details')
+      .getByRole('button', { name: 'Resume here' })
+      .click();
+    await expect(
+      toasts(page).filter({ hasText: `Resumed ${a} in a new kernel` })
+    ).toBeVisible({ timeout: OP_TIMEOUT });
+    await waitForKernelIdle(page);
+    expect(await run(page, 'print(x)')).toBe('41');
+
+    // The same snapshot in a new notebook next to this one.
+    await row(page, a).click();
+    await panel
+      .locator('.jp-Infinijup-details')
+      .getByRole('button', { name: 'Open in new notebook' })
+      .click();
+    const copy = name.replace(/\.ipynb$/, `-${a}.ipynb`);
+    await expect(
+      toasts(page).filter({ hasText: `Opened ${a} in ${copy}` })
+    ).toBeVisible({ timeout: OP_TIMEOUT });
+    await expect
+      .poll(() =>
+        page.evaluate(
+          () =>
+            (window as any).jupyterapp.shell.currentWidget?.context?.path ?? ''
+        )
+      )
+      .toContain(copy);
+    await waitForKernelIdle(page);
+    expect(await run(page, 'print(x)')).toBe('41');
   });
 });

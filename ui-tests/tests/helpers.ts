@@ -5,9 +5,17 @@
  */
 
 import { createHash } from 'crypto';
+import * as fs from 'fs';
+import * as path from 'path';
 
 import type { IJupyterLabPageFixture } from '@jupyterlab/galata';
-import type { Page, Route, WebSocketRoute } from '@playwright/test';
+import type {
+  Locator,
+  Page,
+  Route,
+  TestInfo,
+  WebSocketRoute
+} from '@playwright/test';
 
 export const EVENT_SCHEMA_ID = 'https://events.infinijup.dev/operation';
 
@@ -19,12 +27,18 @@ export interface ICommitJSON {
   created: number;
   metadata: { [key: string]: any };
   stats: { [key: string]: number };
+  resumable?: boolean;
+  resumable_reason?: string | null;
 }
 
 export interface IHistoryJSON {
   commits: ICommitJSON[];
   threads: { [name: string]: string };
-  head: { thread: string; commit: string | null } | null;
+  head: {
+    thread: string | null;
+    commit: string | null;
+    next_thread?: string | null;
+  } | null;
 }
 
 /** A mocked Infinijup server: edit its fields, the routes read them. */
@@ -34,7 +48,12 @@ export class MockBackend {
   /** Requests seen, as "METHOD /path?query". */
   requests: string[] = [];
   /** Bodies of POST requests, by endpoint. */
-  bodies: { [endpoint: string]: any[] } = { snapshot: [], restore: [] };
+  bodies: { [endpoint: string]: any[] } = {
+    snapshot: [],
+    restore: [],
+    branch: [],
+    resume: []
+  };
   /** Handlers for POSTs; default replies succeed at once. */
   onSnapshot: (route: Route, body: any) => Promise<void> | void = route =>
     route.fulfill({
@@ -65,15 +84,68 @@ export class MockBackend {
       }
     });
 
+  onBranch: (route: Route, body: any) => Promise<void> | void = (route, body) =>
+    route.fulfill({
+      json: {
+        kernel_id: body.kernel_id,
+        thread: body.name,
+        commit: this.history.head?.commit ?? null
+      }
+    });
+  /**
+   * Resume: like the server, start a kernel for the notebook (a real
+   * python3 kernel through the sessions API) at its path, or at a copy of the
+   * notebook "<stem>-<short id>.ipynb" for `new_notebook`.
+   */
+  onResume: (route: Route, body: any) => Promise<void> | void = async (
+    route,
+    body
+  ) => {
+    const request = route.request();
+    const origin = new URL(request.url()).origin;
+    const api = this._page!.request;
+    let target: string = body.path;
+    if (body.new_notebook) {
+      target = target.replace(/\.ipynb$/, `-${body.commit.slice(0, 8)}.ipynb`);
+      const source = await api.get(`${origin}/api/contents/${body.path}`);
+      const model = await source.json();
+      await api.put(`${origin}/api/contents/${target}`, {
+        data: { type: 'notebook', format: 'json', content: model.content }
+      });
+    }
+    const session = await (
+      await api.post(`${origin}/api/sessions`, {
+        data: {
+          path: target,
+          type: 'notebook',
+          name: target.split('/').pop(),
+          kernel: { name: 'python3' }
+        }
+      })
+    ).json();
+    await route.fulfill({
+      json: {
+        kernel_id: session.kernel.id,
+        session_id: session.id,
+        path: target,
+        commit: body.commit,
+        thread: 'main',
+        duration_s: 1.25
+      }
+    });
+  };
+
   private _sockets: WebSocketRoute[] = [];
+  private _page: Page | null = null;
 
   /**
    * Install the routes. Call before the page loads JupyterLab (the event
    * socket is opened at startup): use `test.use({ autoGoto: false })`.
    */
   async install(page: Page): Promise<void> {
+    this._page = page;
     await page.route(
-      /\/infinijup\/(status|history|snapshot|restore)(\?.*)?$/,
+      /\/infinijup\/(status|history|snapshot|restore|branch|resume)(\?.*)?$/,
       route => this._handle(route)
     );
     await page.routeWebSocket(/\/api\/events\/subscribe/, ws => {
@@ -124,6 +196,18 @@ export class MockBackend {
         const body = request.postDataJSON();
         this.bodies.restore.push(body);
         await this.onRestore(route, body);
+        return;
+      }
+      case 'branch': {
+        const body = request.postDataJSON();
+        this.bodies.branch.push(body);
+        await this.onBranch(route, body);
+        return;
+      }
+      case 'resume': {
+        const body = request.postDataJSON();
+        this.bodies.resume.push(body);
+        await this.onResume(route, body);
         return;
       }
     }
@@ -205,7 +289,8 @@ export function commit(
   thread: string,
   created: number,
   message = '',
-  gpu = false
+  gpu = false,
+  metadata: { [key: string]: any } = {}
 ): ICommitJSON {
   return {
     id,
@@ -213,7 +298,7 @@ export function commit(
     thread,
     message,
     created,
-    metadata: gpu ? { gpu: { devices: 1 } } : {},
+    metadata: { ...(gpu ? { gpu: { devices: 1 } } : {}), ...metadata },
     stats: {
       image_bytes: 512 * 1024 * 1024,
       stored_bytes: 64 * 1024 * 1024,
@@ -224,7 +309,243 @@ export function commit(
   };
 }
 
+/** `metadata.cell` and `metadata.variables` as the kernel records them. */
+export function described(
+  count: number,
+  source: string,
+  variables: [string, string, number, string | null, string, boolean][]
+): { [key: string]: any } {
+  return {
+    cell: { execution_count: count, source },
+    variables: {
+      items: variables.map(([name, type, size, shape, fp, changed]) => ({
+        name,
+        type,
+        size,
+        shape,
+        fp,
+        changed
+      })),
+      truncated: false
+    }
+  };
+}
+
+/** Whether two boxes overlap. */
+export function overlaps(
+  a: { x: number; y: number; width: number; height: number },
+  b: { x: number; y: number; width: number; height: number }
+): boolean {
+  return (
+    a.x < b.x + b.width &&
+    b.x < a.x + a.width &&
+    a.y < b.y + b.height &&
+    b.y < a.y + a.height
+  );
+}
+
 /** A 64-hex id from a short tag (its SHA-256). */
 export function hex(tag: string): string {
   return createHash('sha256').update(tag).digest('hex');
+}
+
+const MiB = 1024 * 1024;
+
+/**
+ * A small notebook history with three threads, as a user's would look: most
+ * commits carry the kernel's description (last cell, variables), a few have
+ * messages, one (b2) is an older snapshot without a description.
+ */
+export function demoHistory(now: number): IHistoryJSON {
+  const t = (min: number) => now - min * 60;
+  const df: V = ['df', 'DataFrame', 412 * MiB, '(1200000, 14)', 'df1', false];
+  const X: V = ['X', 'ndarray', 586 * MiB, '(1200000, 64)', 'x1', false];
+  const y: V = ['y', 'ndarray', 9.2 * MiB, '(1200000,)', 'y1', false];
+  const tok: V = ['tokenizer', 'Tokenizer', 31 * MiB, null, 't1', false];
+  const base = [df, X, y, tok];
+  const ch = (v: V, fp?: string): V => [
+    v[0],
+    v[1],
+    v[2],
+    v[3],
+    fp ?? v[4],
+    true
+  ];
+  const model = (fp: string, changed = true): V => [
+    'model',
+    'Net',
+    1.1 * 1024 * MiB,
+    null,
+    fp,
+    changed
+  ];
+  const opt = (fp: string, changed = true): V => [
+    'opt',
+    'AdamW',
+    2.2 * 1024 * MiB,
+    null,
+    fp,
+    changed
+  ];
+  const c = [
+    commit(
+      hex('m1'),
+      [],
+      'main',
+      t(300),
+      'load data (12 GB parquet)',
+      false,
+      described(3, 'df = pd.read_parquet("events.parquet")', [ch(df)])
+    ),
+    commit(
+      hex('m2'),
+      [hex('m1')],
+      'main',
+      t(240),
+      '',
+      true,
+      described(5, 'X, y = featurize(df, tokenizer)', [
+        df,
+        ch(X),
+        ch(y),
+        ch(tok)
+      ])
+    ),
+    commit(
+      hex('m3'),
+      [hex('m2')],
+      'main',
+      t(200),
+      'model on GPU, epoch 0',
+      true,
+      described(8, 'model = Net(d=64).cuda(); opt = AdamW(model)', [
+        ...base,
+        model('n0'),
+        opt('o0')
+      ])
+    ),
+    commit(
+      hex('a1'),
+      [hex('m3')],
+      'lr-3e-4',
+      t(150),
+      '',
+      true,
+      described(11, 'train(model, opt, lr=3e-4, epochs=1)', [
+        ...base,
+        model('a-n1'),
+        opt('a-o1'),
+        ['history', 'list', 4096, '(1,)', 'h1', true]
+      ])
+    ),
+    commit(
+      hex('m4'),
+      [hex('m3')],
+      'main',
+      t(120),
+      '',
+      true,
+      described(10, 'losses = train(model, opt, epochs=1)', [
+        ...base,
+        model('n1'),
+        opt('o1'),
+        ['losses', 'list', 8192, '(938,)', 'l1', true]
+      ])
+    ),
+    commit(
+      hex('a2'),
+      [hex('a1')],
+      'lr-3e-4',
+      t(90),
+      '',
+      true,
+      described(12, 'train(model, opt, lr=3e-4, epochs=1)', [
+        ...base,
+        model('a-n2'),
+        opt('a-o2'),
+        ['history', 'list', 8192, '(2,)', 'h2', true]
+      ])
+    ),
+    commit(
+      hex('b1'),
+      [hex('m2')],
+      'cpu-baseline',
+      t(80),
+      'sklearn baseline',
+      false,
+      described(9, 'clf = LogisticRegression().fit(X, y)', [
+        ...base,
+        ['clf', 'LogisticRegression', 2 * MiB, null, 'c1', true]
+      ])
+    ),
+    commit(
+      hex('m5'),
+      [hex('m4')],
+      'main',
+      t(45),
+      '',
+      true,
+      described(13, 'acc = evaluate(model, X_val, y_val)', [
+        ...base,
+        model('n1', false),
+        opt('o1', false),
+        ['losses', 'list', 8192, '(938,)', 'l1', false],
+        ['acc', 'float', 24, null, '0.871', true]
+      ])
+    ),
+    commit(hex('b2'), [hex('b1')], 'cpu-baseline', t(30), ''),
+    commit(
+      hex('m6'),
+      [hex('m5')],
+      'main',
+      t(4),
+      'before plotting',
+      true,
+      described(15, 'fig, ax = plt.subplots(figsize=(8, 4))', [
+        ...base,
+        model('n1', false),
+        opt('o1', false),
+        ['losses', 'list', 8192, '(938,)', 'l1', false],
+        ['acc', 'float', 24, null, '0.871', false],
+        ['fig', 'Figure', 96 * 1024, null, 'f1', true],
+        ['ax', 'Axes', 48 * 1024, null, 'ax1', true]
+      ])
+    )
+  ];
+  return {
+    commits: c.reverse(),
+    threads: {
+      main: hex('m6'),
+      'lr-3e-4': hex('a2'),
+      'cpu-baseline': hex('b2')
+    },
+    head: { thread: 'main', commit: hex('m6'), next_thread: 'main' }
+  };
+}
+
+type V = [string, string, number, string | null, string, boolean];
+
+/**
+ * Take a screenshot into the test's output (attached to the report); with
+ * INFINIJUP_DOCS_SCREENSHOT=1 also into docs/images/<name>.png.
+ */
+export async function screenshot(
+  target: Locator | Page,
+  testInfo: TestInfo,
+  name: string,
+  options: {
+    clip?: { x: number; y: number; width: number; height: number };
+    /** Copy to docs/images with INFINIJUP_DOCS_SCREENSHOT (default true). */
+    docs?: boolean;
+  } = {}
+): Promise<void> {
+  const { docs: toDocs = true, ...shot } = options;
+  const file = testInfo.outputPath(`${name}.png`);
+  await target.screenshot({ path: file, ...shot });
+  await testInfo.attach(name, { path: file, contentType: 'image/png' });
+  if (toDocs && process.env.INFINIJUP_DOCS_SCREENSHOT) {
+    const docs = path.resolve(__dirname, '../../docs/images', `${name}.png`);
+    fs.mkdirSync(path.dirname(docs), { recursive: true });
+    fs.copyFileSync(file, docs);
+  }
 }

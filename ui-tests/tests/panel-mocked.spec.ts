@@ -9,64 +9,23 @@
  * kernel are in backend.spec.ts.
  */
 
-import * as fs from 'fs';
-import * as path from 'path';
-
 import { expect, galata, test } from '@jupyterlab/galata';
 
 import { syntheticHistory } from '../../labextension/test/synthetic';
 import {
   commit,
   currentKernelId,
+  demoHistory,
   execute,
   hex,
   MockBackend,
   openHistory,
+  screenshot,
   toasts,
   widenRightPanel
 } from './helpers';
 
 test.use({ autoGoto: false });
-
-/** A small history with two branches, for the screenshot. */
-function demoHistory(now: number) {
-  const t = (min: number) => now - min * 60;
-  const c = [
-    commit(hex('m1'), [], 'main', t(300), 'load data (12 GB parquet)'),
-    commit(
-      hex('m2'),
-      [hex('m1')],
-      'main',
-      t(240),
-      'features + tokenizer',
-      true
-    ),
-    commit(
-      hex('m3'),
-      [hex('m2')],
-      'main',
-      t(200),
-      'model on GPU, epoch 0',
-      true
-    ),
-    commit(hex('a1'), [hex('m3')], 'lr-3e-4', t(150), 'lr 3e-4, epoch 1', true),
-    commit(hex('m4'), [hex('m3')], 'main', t(120), 'epoch 1', true),
-    commit(hex('a2'), [hex('a1')], 'lr-3e-4', t(90), 'lr 3e-4, epoch 2', true),
-    commit(hex('b1'), [hex('m2')], 'cpu-baseline', t(80), 'sklearn baseline'),
-    commit(hex('m5'), [hex('m4')], 'main', t(45), 'epoch 2, eval 0.871', true),
-    commit(hex('b2'), [hex('b1')], 'cpu-baseline', t(30), ''),
-    commit(hex('m6'), [hex('m5')], 'main', t(4), 'before plotting', true)
-  ];
-  return {
-    commits: c.reverse(),
-    threads: {
-      main: hex('m6'),
-      'lr-3e-4': hex('a2'),
-      'cpu-baseline': hex('b2')
-    },
-    head: { thread: 'main', commit: hex('m6') }
-  };
-}
 
 test.describe('Infinijup panel @mocked', () => {
   let backend: MockBackend;
@@ -199,17 +158,18 @@ test.describe('Infinijup panel @mocked', () => {
   test("restore error: the notification shows the server's message and reason", async ({
     page
   }) => {
+    backend.history = demoHistory(Math.floor(Date.now() / 1000));
     await page.notebook.createNew('error.ipynb', { kernel: 'python3' });
     await currentKernelId(page);
     backend.onRestore = route =>
       route.fulfill({
-        status: 404,
+        status: 500,
         json: {
-          message: "Unknown commit 'deadbeefdeadbeef'",
-          reason: 'not_found'
+          message: 'pack 3f2a9c1e is damaged',
+          reason: 'checksum_mismatch'
         }
       });
-    await execute(page, 'infinijup:restore', { commit: 'deadbeefdeadbeef' });
+    await execute(page, 'infinijup:restore', { commit: hex('m2') });
     await page
       .locator('.jp-Dialog')
       .getByRole('button', { name: 'Restore' })
@@ -217,12 +177,13 @@ test.describe('Infinijup panel @mocked', () => {
     await expect(
       toasts(page).filter({
         hasText:
-          "Restore of error.ipynb failed: Unknown commit 'deadbeefdeadbeef' (not_found)"
+          'Restore of error.ipynb failed: pack 3f2a9c1e is damaged (checksum_mismatch)'
       })
     ).toBeVisible();
   });
 
   test('gpu_mismatch: restore anyway sends force', async ({ page }) => {
+    backend.history = demoHistory(Math.floor(Date.now() / 1000));
     await page.notebook.createNew('gpu.ipynb', { kernel: 'python3' });
     const kernelId = await currentKernelId(page);
     backend.onRestore = (route, body) =>
@@ -243,7 +204,7 @@ test.describe('Infinijup panel @mocked', () => {
               reason: 'gpu_mismatch'
             }
           });
-    await execute(page, 'infinijup:restore', { commit: 'abcdef0123456789' });
+    await execute(page, 'infinijup:restore', { commit: hex('m3') });
     await page
       .locator('.jp-Dialog')
       .getByRole('button', { name: 'Restore' })
@@ -255,11 +216,11 @@ test.describe('Infinijup panel @mocked', () => {
     await expect(dialog).toContainText('this machine has 1x NVIDIA H200');
     await dialog.getByRole('button', { name: 'Restore anyway' }).click();
     await expect(
-      toasts(page).filter({ hasText: 'Restored abcdef01' })
+      toasts(page).filter({ hasText: `Restored ${hex('m3').slice(0, 8)}` })
     ).toBeVisible();
     expect(backend.bodies.restore).toEqual([
-      { kernel_id: kernelId, commit: 'abcdef0123456789' },
-      { kernel_id: kernelId, commit: 'abcdef0123456789', force: true }
+      { kernel_id: kernelId, commit: hex('m3') },
+      { kernel_id: kernelId, commit: hex('m3'), force: true }
     ]);
   });
 
@@ -311,8 +272,13 @@ test.describe('Infinijup panel @mocked', () => {
       .poll(async () => Number(await graph.getAttribute('data-rows')))
       .toBeGreaterThan(collapsedRows);
 
-    // Expand all: every commit is a row; scrolling to the end renders the end.
-    await execute(page, 'infinijup:toggle-collapse');
+    // Unfold all with the labelled toggle: every commit is a row; scrolling
+    // to the end renders the end.
+    const fold = page
+      .locator('#infinijup-history')
+      .getByRole('checkbox', { name: 'Fold runs' });
+    await expect(fold).toBeChecked();
+    await fold.uncheck();
     await expect(graph).toHaveAttribute('data-rows', '1000');
     await graph.evaluate(node => (node.scrollTop = node.scrollHeight));
     await expect(
@@ -356,27 +322,18 @@ test.describe('Infinijup panel @mocked', () => {
     await expect(graph.locator('.jp-Infinijup-chip-thread')).toHaveCount(3);
     await expect(graph.locator('.jp-Infinijup-chip-gpu')).toHaveCount(7);
 
-    // Select "epoch 1" and take the screenshot used in the README.
+    // Select the first epoch on main.
     await graph
       .locator(`.jp-Infinijup-row[data-commit-id="${hex('m4')}"]`)
       .click();
     await expect(page.locator('.jp-Infinijup-details')).toContainText(
-      'epoch 1'
+      '[10] losses = train(model, opt, epochs=1)'
     );
-    const shot = testInfo.outputPath('history-panel.png');
-    await page.locator('#infinijup-history').screenshot({ path: shot });
-    await testInfo.attach('history-panel', {
-      path: shot,
-      contentType: 'image/png'
-    });
-    if (process.env.INFINIJUP_DOCS_SCREENSHOT) {
-      const target = path.resolve(
-        __dirname,
-        '../../docs/images/history-panel.png'
-      );
-      fs.mkdirSync(path.dirname(target), { recursive: true });
-      fs.copyFileSync(shot, target);
-    }
+    await screenshot(
+      page.locator('#infinijup-history'),
+      testInfo,
+      'history-panel'
+    );
 
     // Restore from the details pane.
     await page
@@ -466,6 +423,7 @@ test.describe('Infinijup settings @mocked', () => {
   test('asks for a message (shortcut Accel Alt S) and restores without confirmation', async ({
     page
   }) => {
+    backend.history = demoHistory(Math.floor(Date.now() / 1000));
     await page.notebook.createNew('settings.ipynb', { kernel: 'python3' });
     const kernelId = await currentKernelId(page);
     await expect(
@@ -492,9 +450,9 @@ test.describe('Infinijup settings @mocked', () => {
     ]);
 
     // confirmRestore: false, so no dialog.
-    await execute(page, 'infinijup:restore', { commit: 'abcdef0123456789' });
+    await execute(page, 'infinijup:restore', { commit: hex('m2') });
     await expect(
-      toasts(page).filter({ hasText: 'Restored abcdef01' })
+      toasts(page).filter({ hasText: `Restored ${hex('m2').slice(0, 8)}` })
     ).toBeVisible();
     await expect(page.locator('.jp-Dialog')).toHaveCount(0);
   });
