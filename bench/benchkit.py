@@ -30,11 +30,50 @@ def use_infinijup_kernelspec() -> None:
     os.environ["JUPYTER_PATH"] = d
 
 
-def start_helper() -> HelperDaemon:
+def start_helper(work_dir: str | None = None) -> HelperDaemon:
+    """A helper daemon for this run; ``work_dir``: its work root (where CRIU writes the
+    images and the hot tier lives), default inside its temp base on disk."""
     daemon = HelperDaemon(make_base())
+    if work_dir is not None:
+        daemon.work_dir = work_dir
     daemon.start()
     os.environ["INFINIJUP_HELPER_SOCKET"] = daemon.socket_path
     return daemon
+
+
+def start_server(base: Path, helper_socket: str, store: str, manager: dict | None = None):
+    """A real ``jupyter server`` with Infinijup as a child process (the reliability tests'
+    ServerProcess), its SnapshotManager configured with ``manager`` on top of the defaults."""
+    sys.path.insert(0, str(REPO / "tests" / "reliability"))
+    from reliakit import ServerProcess
+
+    server = ServerProcess(base, helper_socket, store, base / "notebooks")
+    config = base / "config" / "jupyter_server_config.json"
+    data = json.loads(config.read_text())
+    data["SnapshotManager"].update(manager or {})
+    config.write_text(json.dumps(data))
+    server.start()
+    return server
+
+
+def kernel_root(kernel_id: str) -> int:
+    """The root of a server kernel's process tree (its init, or the kernel itself)."""
+    import psutil
+
+    for proc in psutil.process_iter(["cmdline"]):
+        if any(f"kernel-{kernel_id}.json" in a for a in (proc.info["cmdline"] or [])):
+            parent = proc.parent()
+            if parent is not None and "nsinit" in " ".join(parent.cmdline()):
+                return parent.pid  # the tree's init (nsinit)
+            return proc.pid
+    raise RuntimeError(f"no process for kernel {kernel_id}")
+
+
+def tree_rss(root: int) -> int:
+    import psutil
+
+    procs = [psutil.Process(root)] + psutil.Process(root).children(recursive=True)
+    return sum(p.memory_info().rss for p in procs)
 
 
 def execute(kc, code: str, timeout: float = 600) -> float:
@@ -57,6 +96,18 @@ def first_answer(kc, timeout: float = 120) -> float:
         except Exception:
             continue
     raise TimeoutError("no answer")
+
+
+def transposed_table(rows: list[dict], names: list[str], metrics: list[tuple[str, str]]) -> str:
+    """A markdown table with one row per metric and one column per run."""
+    out = ["| | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
+    for key, label in metrics:
+        cells = []
+        for r in rows:
+            v = r.get(key, "")
+            cells.append(f"{v:.3g}" if isinstance(v, float) else str(v))
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
 
 
 def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:

@@ -1,22 +1,39 @@
 """GPU snapshot and restore, phase by phase, against the driver's own floor.
 
-For kernels holding N GB of VRAM (random data), in one run: the driver's lock+checkpoint and
-restore+unlock alone on the same process, a raw `criu dump` of the checkpointed process to
-tmpfs (the floor of a snapshot's pause), then Infinijup's snapshot (helper: CUDA checkpoint, CRIU
-dump, CUDA resume; store ingest) and restore (store checkout, kill + CRIU restore, CUDA restore,
-first execute answered). Prints a markdown table.
+Two kinds of rows, each measured in one run beside its floors:
 
-Run as root on the GPU machine, with the helper's requirements (CRIU, pycriu) in place:
-    python bench/gpu_bench.py --sizes 1 4 16 [--store DIR]
+* ``--sizes N ...``: kernels holding N GB of VRAM (random data), through the engine: the
+  driver's lock+checkpoint and restore+unlock alone on the same process, a raw `criu dump` of
+  the checkpointed process to tmpfs (the floor of a snapshot's pause), then Infinijup's snapshot
+  (helper: CUDA checkpoint, CRIU dump, CUDA resume; store ingest) and restore (store checkout,
+  kill + CRIU restore, CUDA restore, first execute answered).
+* ``--llama 1b 4.6b``: a notebook as people hold one, through a real Jupyter server and the
+  REST API: a Llama-shaped model (transformers' LlamaForCausalLM, random weights, initialised
+  in fp32 on the GPU then cast to bf16, 1.1 B or 4.6 B parameters) with the KV cache of a
+  sampled generate. VRAM reserved and live, image bytes, the pause, the time until the next
+  cell runs (sent as the dump starts), the durable commit, ``%snapshot``'s cell, restore to the
+  first answer from the hot tier and from the store (hot copy removed, page cache dropped),
+  each phase; floors: the driver's checkpoint of the same process, a raw CRIU dump to tmpfs,
+  pinned copy bandwidth. Sampling after each restore must draw what it drew after the
+  snapshot. ``--work disk tmpfs`` runs each row with the helper's work dir (dumps, hot tier)
+  on disk and on /dev/shm.
+
+Prints JSON lines, then markdown tables. Run as root on the GPU machine, with the helper's
+requirements (CRIU, pycriu) in place:
+    python bench/gpu_bench.py --sizes 1 4 16
+    python bench/gpu_bench.py --llama 1b --work disk tmpfs       # about 5 minutes on an H100
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -25,8 +42,13 @@ from benchkit import (
     GB,
     execute,
     first_answer,
+    kernel_root,
+    make_base,
     markdown_table,
     start_helper,
+    start_server,
+    transposed_table,
+    tree_rss,
     use_infinijup_kernelspec,
 )
 from jupyter_client import KernelManager
@@ -125,33 +147,359 @@ COLUMNS = [
 ]
 
 
+# --- a Llama-shaped notebook, through the server ---------------------------------------------
+MODELS = {  # LlamaConfig shapes: 1.1 B (TinyLlama's) and 4.6 B parameters
+    "1b": {"hidden": 2048, "intermediate": 5632, "layers": 22, "heads": 32, "kv_heads": 4},
+    "4.6b": {"hidden": 3072, "intermediate": 8192, "layers": 44, "heads": 24, "kv_heads": 8},
+}
+BATCH, PROMPT, NEW_TOKENS = 4, 512, 32
+
+BUILD = """
+import time, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+_t = time.perf_counter()
+cfg = LlamaConfig(vocab_size=32000, hidden_size={hidden}, intermediate_size={intermediate},
+                  num_hidden_layers={layers}, num_attention_heads={heads},
+                  num_key_value_heads={kv_heads}, max_position_embeddings=4096)
+with torch.device("cuda"):
+    model = LlamaForCausalLM(cfg)          # initialised in fp32 on the GPU
+model = model.to(torch.bfloat16).eval()    # the fp32 copy is freed, and cached by PyTorch
+prompt = torch.randint(0, 32000, ({batch}, {prompt}), device="cuda")
+with torch.no_grad():
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True,
+                         max_new_tokens={new_tokens}, return_dict_in_generate=True,
+                         pad_token_id=0)
+kv = out.past_key_values                   # the KV cache stays in the notebook
+def sample():
+    with torch.no_grad():
+        logits = model(out.sequences[:, -64:]).logits[:, -1].float()
+    return torch.multinomial(torch.softmax(logits, -1), 8, replacement=True).tolist()
+torch.cuda.synchronize()
+build_s = time.perf_counter() - _t
+params = sum(p.numel() for p in model.parameters())
+"""
+
+PINNED = """
+import sys, time, torch
+n = int(sys.argv[1])
+d = torch.empty(n, dtype=torch.uint8, device="cuda").fill_(1)
+h = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+torch.cuda.synchronize()
+d2h = h2d = float("inf")
+for _ in range(3):
+    t = time.perf_counter(); h.copy_(d, non_blocking=True); torch.cuda.synchronize()
+    d2h = min(d2h, time.perf_counter() - t)
+    t = time.perf_counter(); d.copy_(h, non_blocking=True); torch.cuda.synchronize()
+    h2d = min(h2d, time.perf_counter() - t)
+print(n / d2h, n / h2d)
+"""
+
+
+def pinned_bandwidth(nbytes: int) -> tuple[float, float]:
+    """Bytes/s of pinned device-to-host and host-to-device copies (another process)."""
+    done = subprocess.run([sys.executable, "-c", PINNED, str(nbytes)], capture_output=True,
+                          text=True, check=True)
+    d2h, h2d = done.stdout.split()
+    return float(d2h), float(h2d)
+
+
+def nvidia_smi_used(pids: list[int]) -> int:
+    """Bytes of GPU memory nvidia-smi reports for these processes."""
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                          "--format=csv,noheader,nounits"], capture_output=True, text=True).stdout
+    used = 0
+    for line in out.splitlines():
+        pid, _, mib = line.partition(",")
+        if pid.strip().isdigit() and int(pid) in pids:
+            used += int(mib.strip() or 0) << 20
+    return used
+
+
+def _reply_after(kc, msg_id: str, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        msg = kc.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if msg["parent_header"].get("msg_id") == msg_id:
+            assert msg["content"]["status"] == "ok", msg["content"]
+            return
+
+
+# Helper phases during which the kernel is held: its CUDA work locked (cuda_checkpoint), or
+# past the CRIU dump with its GPU state still checkpointed.
+HELD_PHASES = ("cuda_checkpoint", "verify", "publish", "cuda_resume", "store")
+NEXT_CELL = "torch.cuda.synchronize(); next_cell = 1"
+
+
+def snapshot_with_next_cell(server, kernel, kernel_id: str, message: str,
+                            next_cell: str = NEXT_CELL) -> dict:
+    """POST a snapshot (Snapshot pressed); once the helper holds the kernel, send the next
+    cell (one that uses the GPU, so it waits for the GPU too), as a user would; time its
+    answer from the press, and the durable commit (the 201)."""
+    out: dict = {}
+    t0 = time.perf_counter()
+
+    def post() -> None:
+        out["code"], out["body"] = server.request(
+            "POST", "/infinijup/snapshot", {"kernel_id": kernel_id, "message": message},
+            timeout=3600)
+        out["durable_s"] = time.perf_counter() - t0
+
+    thread = threading.Thread(target=post)
+    thread.start()
+    while thread.is_alive():
+        _, st = server.request("GET", f"/infinijup/status?kernel_id={kernel_id}")
+        op = st.get("operation")
+        if op is not None and op["phase"] in HELD_PHASES:
+            break
+        time.sleep(0.005)
+    _reply_after(kernel.kc, kernel.kc.execute(next_cell, store_history=False))
+    out["next_cell_s"] = time.perf_counter() - t0
+    thread.join()
+    assert out["code"] == 201, out
+    return out
+
+
+def restore_timed(server, kernel, kernel_id: str, commit: str, expect: str) -> dict:
+    t0 = time.perf_counter()
+    code, body = server.request("POST", "/infinijup/restore",
+                                {"kernel_id": kernel_id, "commit": commit}, timeout=3600)
+    assert code == 200, body
+    took = time.perf_counter() - t0
+    kernel.wait_answering(timeout=300)
+    drawn = kernel.evaluate(s="sample()")["s"]
+    assert drawn == expect, f"sampling after the restore drew {drawn}, not {expect}"
+    return {"s": took, "phases": body.get("phases", {})}
+
+
+def drop_page_cache() -> bool:
+    try:
+        subprocess.run(["sync"], check=True)
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def llama_row(name: str, work: str, hot_tier_bytes: int | None, shm: Path) -> dict:
+    shape = MODELS[name]
+    row: dict = {"run": f"{name} {work}"}
+    work_dir = tempfile.mkdtemp(prefix="ijbench-work-", dir="/dev/shm") if work == "tmpfs" \
+        else None
+    daemon = start_helper(work_dir)
+    base = make_base()
+    store = tempfile.mkdtemp(prefix="ijbench-store-", dir="/var/tmp")
+    manager = {"busy_timeout": 600.0, "answer_timeout": 600.0}
+    if hot_tier_bytes is not None:
+        manager["hot_tier_bytes"] = hot_tier_bytes
+    server = start_server(base, daemon.socket_path, store, manager)
+    kernel = None
+    try:
+        kernel_id = server.open_session("llama.ipynb")
+        kernel = server.kernel_client(kernel_id)
+        execute(kernel.kc, BUILD.format(**shape, batch=BATCH, prompt=PROMPT,
+                                        new_tokens=NEW_TOKENS), timeout=1800)
+        ev = kernel.evaluate(params="params", build="build_s",
+                             reserved="torch.cuda.memory_reserved()",
+                             live="torch.cuda.memory_allocated()")
+        root = kernel_root(kernel_id)
+        pids = [root] + [p.pid for p in __import__("psutil").Process(root).children(True)]
+        row.update(params_b=int(ev["params"]) / 1e9, build_s=float(ev["build"]),
+                   vram_reserved_gb=int(ev["reserved"]) / GB, vram_live_gb=int(ev["live"]) / GB,
+                   vram_smi_gb=nvidia_smi_used(pids) / GB, rss_gb=tree_rss(root) / GB)
+        head_dim = shape["hidden"] // shape["heads"]
+        row["kv_cache_gb"] = (2 * shape["layers"] * shape["kv_heads"] * head_dim * 2 * BATCH
+                              * (PROMPT + NEW_TOKENS)) / GB
+
+        # Snapshot pressed; the next cell sent as soon as the kernel is in its dump.
+        snap = snapshot_with_next_cell(server, kernel, kernel_id, "llama")
+        body = snap["body"]
+        commit = body["commit"]
+        stats = body["stats"]
+        release = stats.get("gpu_release") or {}
+        row.update(next_cell_s=snap["next_cell_s"], durable_s=snap["durable_s"],
+                   pause_s=stats["pause_s"], quiesce_s=stats["quiesce_s"],
+                   running_again_s=stats.get("running_again_s"), ingest_s=stats.get("store_s"),
+                   image_gb=stats["image_bytes"] / GB, stored_gb=stats["stored_bytes"] / GB,
+                   hot_kept=stats.get("hot"),
+                   released_gb=(release.get("reserved_before", 0)
+                                - release.get("reserved_after", 0)) / GB,
+                   reserved_after_release_gb=release.get("reserved_after", 0) / GB)
+        _, hist = server.request("GET", f"/infinijup/history?kernel_id={kernel_id}")
+        meta = next(c for c in hist["commits"] if c["id"] == commit)["metadata"]
+        timings = meta.get("timings") or {}
+        row.update(cuda_checkpoint_s=timings.get("helper_cuda_checkpoint_s"),
+                   criu_dump_s=timings.get("helper_dump_s"),
+                   cuda_resume_s=timings.get("helper_cuda_resume_s"),
+                   publish_s=timings.get("helper_publish_s"),
+                   vram_saved_gb=sum(((meta.get("gpu") or {}).get("vram_bytes") or {}).values())
+                   / GB)
+        expect = kernel.evaluate(s="sample()")["s"]  # the draw right after the snapshot
+
+        # %snapshot: its cell returns once the kernel is dumped; then the durable commit.
+        t0 = time.perf_counter()
+        execute(kernel.kc, "%snapshot -m magic", timeout=3600)
+        row["magic_cell_s"] = time.perf_counter() - t0
+        server.request("GET", f"/infinijup/history?kernel_id={kernel_id}", timeout=3600)
+        row["magic_durable_s"] = time.perf_counter() - t0
+
+        # Floors, on the same process in the same (released) state.
+        from infinijup.gpu import driver
+        from infinijup_helper.cuda_stage import cuda_pids
+
+        cpids = cuda_pids(root)
+        t0 = time.perf_counter()
+        for p in cpids:
+            driver.suspend(p, 120_000)
+        row["driver_checkpoint_s"] = time.perf_counter() - t0
+        raw = shm / "raw"
+        raw.mkdir()
+        t0 = time.perf_counter()
+        subprocess.run([CRIU, "dump", "-t", str(root), "-D", str(raw), "--leave-running",
+                        "--tcp-established", "--network-lock", "skip", "--file-locks",
+                        "-o", "dump.log"], check=True, capture_output=True)
+        row["raw_dump_tmpfs_s"] = time.perf_counter() - t0
+        row["raw_image_gb"] = sum(f.stat().st_size for f in raw.iterdir()) / GB
+        shutil.rmtree(raw)
+        t0 = time.perf_counter()
+        for p in cpids:
+            driver.resume(p)
+        row["driver_restore_s"] = time.perf_counter() - t0
+        kernel.wait_answering(timeout=120)
+        live = int(ev["live"])
+        d2h, h2d = pinned_bandwidth(min(live, 8 << 30))
+        row.update(pinned_d2h_gbs=d2h / GB, pinned_h2d_gbs=h2d / GB)
+
+        # Restore to the first answer: from the hot tier, then from the store.
+        hot = restore_timed(server, kernel, kernel_id, commit, expect)
+        row.update(restore_hot_s=hot["s"], hot_source=hot["phases"].get("images"),
+                   hot_checkout_s=hot["phases"].get("checkout_s"),
+                   hot_criu_restore_s=hot["phases"].get("restore"),
+                   hot_cuda_restore_s=hot["phases"].get("cuda_restore"),
+                   hot_answer_s=hot["phases"].get("answer_s"))
+        tier = Path(daemon.work_dir) / str(os.getuid()) / "hot"
+        shutil.rmtree(tier / commit, ignore_errors=True)
+        (tier / f"{commit}.json").unlink(missing_ok=True)
+        row["page_cache_dropped"] = drop_page_cache()
+        cold = restore_timed(server, kernel, kernel_id, commit, expect)
+        row.update(restore_cold_s=cold["s"], cold_source=cold["phases"].get("images"),
+                   cold_checkout_s=cold["phases"].get("checkout_s"),
+                   cold_criu_restore_s=cold["phases"].get("restore"),
+                   cold_cuda_restore_s=cold["phases"].get("cuda_restore"),
+                   cold_answer_s=cold["phases"].get("answer_s"))
+        row["sampling_equal"] = True  # restore_timed asserted it, hot and cold
+    finally:
+        if kernel is not None:
+            kernel.close()
+        server.stop()
+        daemon.stop()
+        for path in (store, base, work_dir):
+            if path:
+                shutil.rmtree(path, ignore_errors=True)
+    floor = row["driver_checkpoint_s"] + row["raw_dump_tmpfs_s"] + row["driver_restore_s"]
+    row["pause_vs_floor"] = row["pause_s"] / floor
+    row["pause_vs_pcie"] = row["pause_s"] / (live / (row["pinned_d2h_gbs"] * GB))
+    row["image_vs_live_rss"] = row["image_gb"] / (row["vram_live_gb"] + row["rss_gb"])
+    row["restore_hot_vs_driver"] = row["restore_hot_s"] / row["driver_restore_s"]
+    return row
+
+
+LLAMA_METRICS = [
+    ("params_b", "parameters (B)"), ("build_s", "model build s"),
+    ("vram_reserved_gb", "VRAM reserved before release GB"),
+    ("vram_live_gb", "VRAM live (allocated) GB"), ("vram_smi_gb", "VRAM used (nvidia-smi) GB"),
+    ("kv_cache_gb", "of which KV cache GB"), ("rss_gb", "kernel RSS GB"),
+    ("released_gb", "released by quiesce GB"),
+    ("reserved_after_release_gb", "VRAM reserved after release GB"),
+    ("vram_saved_gb", "VRAM saved by the driver GB"),
+    ("image_gb", "image GB"), ("image_vs_live_rss", "image / (live VRAM + RSS)"),
+    ("stored_gb", "stored GB (empty store)"),
+    ("quiesce_s", "quiesce s"), ("cuda_checkpoint_s", "CUDA checkpoint s"),
+    ("criu_dump_s", "CRIU dump s"), ("cuda_resume_s", "CUDA resume s"),
+    ("publish_s", "publish s"), ("pause_s", "pause s"),
+    ("next_cell_s", "next cell answered after Snapshot s"),
+    ("running_again_s", "kernel running again s"), ("ingest_s", "ingest s"),
+    ("durable_s", "durable commit (201) s"), ("hot_kept", "kept hot"),
+    ("magic_cell_s", "%snapshot cell s"), ("magic_durable_s", "%snapshot durable s"),
+    ("driver_checkpoint_s", "floor: driver checkpoint s"),
+    ("raw_dump_tmpfs_s", "floor: raw CRIU dump to tmpfs s"),
+    ("raw_image_gb", "floor: raw image GB"),
+    ("driver_restore_s", "floor: driver restore s"),
+    ("pinned_d2h_gbs", "floor: pinned D2H GB/s"), ("pinned_h2d_gbs", "floor: pinned H2D GB/s"),
+    ("pause_vs_floor", "pause / (driver ckpt + raw dump + driver restore)"),
+    ("pause_vs_pcie", "pause / (live VRAM at pinned D2H)"),
+    ("restore_hot_s", "restore to first answer, hot s"), ("hot_source", "images from"),
+    ("hot_checkout_s", "hot: images ready s"), ("hot_criu_restore_s", "hot: CRIU restore s"),
+    ("hot_cuda_restore_s", "hot: CUDA restore s"), ("hot_answer_s", "hot: answer s"),
+    ("restore_hot_vs_driver", "restore hot / driver restore"),
+    ("restore_cold_s", "restore to first answer, cold s"), ("cold_source", "images from"),
+    ("cold_checkout_s", "cold: store checkout s"), ("cold_criu_restore_s", "cold: CRIU restore s"),
+    ("cold_cuda_restore_s", "cold: CUDA restore s"), ("cold_answer_s", "cold: answer s"),
+    ("page_cache_dropped", "page cache dropped before cold"),
+    ("sampling_equal", "sampling after restore equal"),
+]
+
+AIMS = [("pause_s", 8.0, "pause <= 8 s"), ("next_cell_s", 8.0, "next cell <= 8 s"),
+        ("restore_hot_s", 8.0, "restore hot <= 8 s"), ("restore_cold_s", 15.0, "restore cold <= 15 s"),
+        ("image_vs_live_rss", 1.2, "image <= 1.2 x (live VRAM + RSS)")]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sizes", type=float, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--sizes", type=float, nargs="*", default=None,
+                    help="synthetic rows, GB of VRAM (default 1 4 16 unless --llama is given)")
+    ap.add_argument("--llama", nargs="*", default=[], choices=sorted(MODELS),
+                    help="Llama-shaped notebook rows through a real server")
+    ap.add_argument("--work", nargs="+", default=["disk"], choices=["disk", "tmpfs"],
+                    help="where the helper's work dir (dumps, hot tier) is, for --llama rows")
+    ap.add_argument("--hot-tier-gib", type=float, default=None,
+                    help="SnapshotManager.hot_tier_bytes for --llama rows (default: its own)")
     ap.add_argument("--store", default=None)
     args = ap.parse_args()
+    sizes = args.sizes if args.sizes is not None else ([] if args.llama else [1, 4, 16])
     use_infinijup_kernelspec()
-    daemon = start_helper()
-    rows = []
-    try:
-        for size in args.sizes:
-            store = Path(args.store or tempfile.mkdtemp(prefix="ijbench-store-")) / f"s{size}"
-            shm = Path(tempfile.mkdtemp(prefix="ijbench-", dir="/dev/shm"))
-            try:
-                row = one_size(size, store, shm)
-            finally:
-                shutil.rmtree(store, ignore_errors=True)
-                shutil.rmtree(shm, ignore_errors=True)
-            row["pause_ratio"] = row["pause_s"] / (row["driver_checkpoint_s"] + row["raw_dump_s"]
-                                                   + row["driver_restore_s"])
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    finally:
-        daemon.stop()
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip()
-    print(f"\nGPU: {gpu}; {time.strftime('%Y-%m-%d')}; one run per size\n")
-    print(markdown_table(rows, COLUMNS))
+    rows = []
+    if sizes:
+        daemon = start_helper()
+        try:
+            for size in sizes:
+                store = Path(args.store or tempfile.mkdtemp(prefix="ijbench-store-")) / f"s{size}"
+                shm = Path(tempfile.mkdtemp(prefix="ijbench-", dir="/dev/shm"))
+                try:
+                    row = one_size(size, store, shm)
+                finally:
+                    shutil.rmtree(store, ignore_errors=True)
+                    shutil.rmtree(shm, ignore_errors=True)
+                row["pause_ratio"] = row["pause_s"] / (row["driver_checkpoint_s"]
+                                                       + row["raw_dump_s"] + row["driver_restore_s"])
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        finally:
+            daemon.stop()
+    llama_rows = []
+    hot = int(args.hot_tier_gib * (1 << 30)) if args.hot_tier_gib is not None else None
+    for name in args.llama:
+        for work in args.work:
+            shm = Path(tempfile.mkdtemp(prefix="ijbench-", dir="/dev/shm"))
+            try:
+                row = llama_row(name, work, hot, shm)
+            finally:
+                shutil.rmtree(shm, ignore_errors=True)
+            llama_rows.append(row)
+            print(json.dumps(row), flush=True)
+    print(f"\nGPU: {gpu}; {time.strftime('%Y-%m-%d')}; one run per row\n")
+    if rows:
+        print(markdown_table(rows, COLUMNS))
+    if llama_rows:
+        print()
+        print(transposed_table(llama_rows, [r["run"] for r in llama_rows], LLAMA_METRICS))
+        print()
+        for r in llama_rows:
+            met = [f"{label}: {'met' if r.get(key, float('inf')) <= limit else 'missed'} "
+                   f"({r.get(key, float('nan')):.3g})" for key, limit, label in AIMS]
+            print(f"aims, {r['run']}: " + "; ".join(met))
 
 
 if __name__ == "__main__":

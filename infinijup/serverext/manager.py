@@ -68,7 +68,7 @@ class SnapshotManager(LoggingConfigurable):
     answer_timeout = Float(60.0, help="Seconds a restored kernel has to answer.").tag(config=True)
     hot_tier_bytes = Integer(help="Bytes of recent snapshots' images kept ready in the helper's "
                                   "work dir, so that restoring them skips the store checkout "
-                                  "(default: a quarter of the memory, at most 8 GiB; 0: none)."
+                                  "(default: a quarter of the memory, at most 32 GiB; 0: none)."
                              ).tag(config=True)
 
     @default("store_path")

@@ -45,9 +45,9 @@ def committed(repo, tmp_path: Path, seed: int, mib: int = 1):
     return images, commit, repo.get_tree(commit.tree)
 
 
-def test_default_budget_is_a_quarter_of_memory_at_most_8_gib():
+def test_default_budget_is_a_quarter_of_memory_at_most_32_gib():
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    assert default_budget() == min(ram // 4, 8 << 30)
+    assert default_budget() == min(ram // 4, 32 << 30)
 
 
 def test_kept_images_restore_by_links_and_survive_the_restore(repo, tmp_path):
