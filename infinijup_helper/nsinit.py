@@ -32,6 +32,7 @@ then opens its log, enters ``cwd`` and execs ARGV.
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import json
 import os
@@ -154,14 +155,8 @@ def _become_caller_and_exec(spec: dict) -> None:
     os._exit(127)
 
 
-def init_main(argv: list[str]) -> int:
-    if len(argv) != 2 or argv[0] != OWNER_FLAG or not argv[1].isdigit():
-        os.write(2, b"usage: nsinit.py --owner UID  (spec on fd 3; started by infinijup_helper)\n")
-        return 2
-    spec = _read_spec()
-    if int(argv[1]) != spec["uid"] or os.getuid() not in (0, spec["uid"]):
-        os.write(ERROR_FD, b"nsinit: --owner does not match the spec's uid")
-        return 2
+def _start_kernel(spec: dict) -> int:
+    """Set the init up and fork the kernel; its pid."""
     if os.getuid() != 0:
         # Ambient capabilities got the init's two through its exec; the kernel's exec must
         # not inherit them. Dumpable, so that CRIU running as the caller can read our /proc.
@@ -192,6 +187,22 @@ def init_main(argv: list[str]) -> int:
     child = os.fork()
     if child == 0:
         _become_caller_and_exec(spec)
+    return child
+
+
+def init_main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[0] != OWNER_FLAG or not argv[1].isdigit():
+        os.write(2, b"usage: nsinit.py --owner UID  (spec on fd 3; started by infinijup_helper)\n")
+        return 2
+    spec = _read_spec()
+    if int(argv[1]) != spec["uid"] or os.getuid() not in (0, spec["uid"]):
+        os.write(ERROR_FD, b"nsinit: --owner does not match the spec's uid")
+        return 2
+    try:
+        child = _start_kernel(spec)
+    except BaseException as exc:  # the launcher reports it: nothing may fail silently
+        os.write(ERROR_FD, f"nsinit: {exc}".encode(errors="replace"))
+        return 127
     os.close(ERROR_FD)
     while True:
         try:
@@ -232,8 +243,9 @@ def _become_init_owner(spec: dict) -> None:
     _prctl(PR_SET_KEEPCAPS, 0)
 
 
-def _exec_init(spec: dict, spec_r: int, error_w: int) -> None:
-    """In the namespace's PID 1: arrange fds 0-4, become the owner, exec the init."""
+def _exec_init(spec: dict, spec_r: int, error_w: int, report: list[int]) -> None:
+    """In the namespace's PID 1: arrange fds 0-4, become the owner, exec the init.
+    ``report[0]``: where a failure is to be written (the error pipe, wherever it is now)."""
     os.setsid()
     os.chdir(spec["nsinit_cwd"])
     high_spec = fcntl.fcntl(spec_r, fcntl.F_DUPFD, 10)
@@ -243,6 +255,7 @@ def _exec_init(spec: dict, spec_r: int, error_w: int) -> None:
         os.dup2(null, fd)
     os.dup2(high_spec, SPEC_FD)
     os.dup2(high_error, ERROR_FD)
+    report[0] = ERROR_FD
     os.closerange(ERROR_FD + 1, os.sysconf("SC_OPEN_MAX"))
     _become_init_owner(spec)
     python = spec["python"]
@@ -264,12 +277,17 @@ def launch_main() -> int:
     errors_r, errors_w = os.pipe2(os.O_CLOEXEC)
     pid = os.fork()
     if pid == 0:
+        report = [errors_w]
         try:
             os.close(spec_w)
             os.close(errors_r)
-            _exec_init(spec, spec_r, errors_w)
+            _exec_init(spec, spec_r, errors_w, report)
         except BaseException as exc:  # report anything
-            os.write(errors_w, f"start nsinit: {exc}".encode(errors="replace")[:4000])
+            why = str(exc)
+            if isinstance(exc, OSError) and exc.errno == errno.EAGAIN:
+                why = (f"the user has reached their process limit (RLIMIT_NPROC "
+                       f"{resource.getrlimit(resource.RLIMIT_NPROC)[0]}): {exc.strerror}")
+            os.write(report[0], f"start nsinit: {why}".encode(errors="replace")[:4000])
         os._exit(127)
     os.close(spec_r)
     os.close(errors_w)

@@ -607,3 +607,141 @@ def test_criu_runs_as_the_caller() -> None:
     caps = argv[argv.index("--ambient-caps") + 1]
     assert caps.startswith("-all,") and "dac" not in caps and "setuid" not in caps
     assert "sys_resource" not in ",".join(RunAs(1, 1, (), CRIU_DUMP_CAPS).setpriv_argv("s"))
+
+
+# --- the caller's limits ------------------------------------------------------------------------
+
+LIMITS_USER = "infinijup-sec-limits"  # an account of this test alone: its process count is ours
+
+
+@pytest.fixture
+def limits_account() -> Iterator[Any]:
+    from helperkit import ensure_user, remove_user
+
+    user, created = ensure_user(LIMITS_USER)
+    yield user
+    if created:
+        remove_user(user)
+
+
+def _count_processes(uid: int) -> int:
+    n = 0
+    for pid in os.listdir("/proc"):
+        try:
+            n += pid.isdigit() and os.stat(f"/proc/{pid}").st_uid == uid
+        except OSError:
+            continue
+    return n
+
+
+def test_kernels_get_the_callers_resource_limits(helper, limits_account) -> None:
+    """Attack 6: a user whose processes are capped (RLIMIT_NPROC) asks the root helper for
+    kernels. Each kernel runs with the caller's limits (read from the connecting process), so
+    once the user's processes reach the cap the next spawn fails with the reason, instead of
+    the helper handing out root's limits."""
+    import resource
+
+    from infinijup.helper_client import HelperClient
+
+    client = HelperClient(helper.socket_path, timeout=120)
+    work = as_user(limits_account, client.work_dir)["value"]
+    argv = [SYSTEM_PYTHON, "-c", "import time; time.sleep(600)"]
+    env = {"PATH": "/usr/bin:/bin"}
+    cap = _count_processes(limits_account.pw_uid) + 5  # room for two trees (init + kernel)
+
+    def spawn_all() -> list[Any]:
+        resource.setrlimit(resource.RLIMIT_NPROC, (cap, cap))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (321, 654))
+        out = []
+        for i in range(6):
+            try:
+                out.append(client.spawn(argv, env, work, f"{work}/n{i}.log"))
+            except Exception as exc:  # noqa: BLE001
+                out.append({"error": getattr(exc, "reason", ""), "message": str(exc)})
+                break
+        return out
+
+    got = as_user(limits_account, spawn_all)["value"]
+    roots = [r for r in got if isinstance(r, int)]
+    try:
+        assert 1 <= len(roots) <= 3, got
+        assert got[-1]["error"] == "spawn_failed", got
+        assert "process limit (RLIMIT_NPROC" in got[-1]["message"], got
+        for root in roots:
+            (kernel,) = _children(root)
+            limits = Path(f"/proc/{kernel}/limits").read_text()
+            assert _limit(limits, "Max processes") == (str(cap), str(cap))
+            assert _limit(limits, "Max open files") == ("321", "654")
+    finally:
+        for root in roots:
+            as_user(limits_account, lambda root=root: client.kill(root))
+
+
+def _limit(text: str, row: str) -> tuple[str, str]:
+    for line in text.splitlines():
+        if line.startswith(row + " "):
+            soft, hard = line[len(row):].split()[:2]
+            return soft, hard
+    raise AssertionError(f"no {row!r} in {text}")
+
+
+# --- page files changed under CRIU ----------------------------------------------------------------
+
+
+@pytest.fixture
+def holding_helper(tmp_path) -> Iterator[tuple[HelperDaemon, Path]]:
+    """A helper with hold points (infinijup_helper/holds.py) in a directory of this test."""
+    holds = Path(make_base()) / "holds"
+    holds.mkdir()
+    daemon = HelperDaemon(make_base(), extra_env={"INFINIJUP_HELPER_HOLDS": str(holds)})
+    daemon.start()
+    yield daemon, holds
+    for entry in holds.iterdir():
+        entry.unlink()
+    daemon.stop()
+    shutil.rmtree(daemon.base, ignore_errors=True)
+    shutil.rmtree(holds.parent, ignore_errors=True)
+
+
+def test_a_page_file_truncated_under_criu_stops_that_restore_only(holding_helper, client,
+                                                                   other_account, trees):
+    """Attack 4: the user restores their own images and truncates a hard-linked page file
+    after the helper checked its size, while CRIU runs (CRIU 4.2.1 spins for ever on a short
+    page file). The helper watches the linked files while CRIU runs: that restore fails with
+    the reason, CRIU is stopped, and the helper keeps serving."""
+    from infinijup.helper_client import HelperClient
+
+    helper, holds = holding_helper
+    other = HelperClient(helper.socket_path, timeout=300)
+    account = Account(helper, other_account, trees)
+    root = account.spawn_holder(Path(account.work), "none")
+    images = os.path.join(account.work, "truncate-me")
+    assert "value" in account.call(lambda: other.dump(root, images).__dict__)
+    assert account.call(lambda: other.kill(root)) == {"value": None}
+    seal = __import__("json").loads((Path(images) / "infinijup-seal.json").read_text())
+    linked = [n for n, v in seal["files"].items() if n.startswith("pages-") and not v["sha256"]]
+    pages = max((Path(images) / n for n in linked), key=lambda p: p.stat().st_size)
+    (holds / "criu_restore_request").touch()  # CRIU started, nothing sent to it yet
+
+    def restore() -> dict[str, Any]:
+        return account.call(lambda: other.restore(images))
+
+    import threading
+
+    result: dict[str, Any] = {}
+    worker = threading.Thread(target=lambda: result.update(restore()))
+    worker.start()
+    wait_for(lambda: (holds / "criu_restore_request.reached").exists(), what="CRIU to start")
+    criu_pid = __import__("json").loads(
+        (holds / "criu_restore_request.reached").read_text())["criu_pid"]
+    # one page short: the shape on which CRIU spins for ever
+    short = pages.stat().st_size - 4096
+    subprocess.run(user_argv(other_account, ["truncate", "-s", str(short), str(pages)]),
+                   check=True)
+    (holds / "criu_restore_request").unlink()
+    worker.join()
+    assert result.get("error") == "permission_denied", result
+    assert f"{pages.name} changed while CRIU was reading it" in result["message"], result
+    assert not os.path.exists(f"/proc/{criu_pid}") or \
+        Path(f"/proc/{criu_pid}/stat").read_text().split(") ")[1][0] == "Z"
+    assert HelperClient(helper.socket_path, timeout=30).hello().uid == 0
