@@ -475,15 +475,33 @@ def iter_lines(path: str) -> Iterator[str]:
 
 
 # --- a Jupyter server in its own process (so that it can be SIGKILLed) ------------------------------
+USER_PYTHON = "/usr/bin/python3"
+
+
+def user_pythonpath() -> str:
+    """This checkout and its venv's packages (and pycriu), for another account's Python."""
+    import sysconfig
+
+    return os.pathsep.join([str(TESTS.parent), sysconfig.get_paths()["purelib"], PYCRIU])
+
+
+def readable_by(user: Any, path: str | Path) -> bool:
+    """Whether ``user`` can read ``path`` (every directory above it searchable)."""
+    return as_user(user, lambda: os.access(str(path), os.R_OK))["value"] is True
 class ServerProcess:
     """``jupyter server`` with Infinijup, as a child process: token auth, its own config, data
     and runtime dirs, the given helper socket and store."""
 
     def __init__(self, base: Path, helper_socket: str, store: str, notebook_dir: Path,
-                 extra_env: dict[str, str] | None = None) -> None:
+                 extra_env: dict[str, str] | None = None, user: Any = None) -> None:
+        """``user``: run the server (and so its kernels) as that account, with the system
+        Python and this checkout's packages on PYTHONPATH (the venv's interpreter may live
+        where other accounts cannot reach, e.g. under a 0700 /root)."""
         import secrets
         import socket as _socket
 
+        self.user = user
+        self.python = sys.executable if user is None else USER_PYTHON
         self.base = base
         self.token = secrets.token_hex(16)
         with _socket.socket() as s:
@@ -495,7 +513,7 @@ class ServerProcess:
         for d in (self.runtime, config, data / "kernels" / "infinijup", notebook_dir):
             d.mkdir(parents=True, exist_ok=True)
         (data / "kernels" / "infinijup" / "kernel.json").write_text(json.dumps({
-            "argv": [sys.executable, "-m", "infinijup.kernel_magics.launch", "-f",
+            "argv": [self.python, "-m", "infinijup.kernel_magics.launch", "-f",
                      "{connection_file}"],
             "display_name": "Python 3 (Infinijup)", "language": "python",
             "metadata": {"kernel_provisioner": {"provisioner_name": "infinijup-provisioner"}}}))
@@ -516,10 +534,20 @@ class ServerProcess:
         self.env.update(extra_env or {})
         self.proc: subprocess.Popen | None = None
         self.log_path = base / "server.log"
+        if user is not None:
+            self.env = {k: v for k, v in self.env.items() if not k.startswith(("PYTHON", "VIRTUAL"))}
+            self.env.update(HOME=str(base), USER=user.pw_name, PATH="/usr/bin:/bin",
+                            PYTHONPATH=user_pythonpath())
+            for path in [base, *base.rglob("*"), Path(store).parent, notebook_dir]:
+                os.lchown(path, user.pw_uid, user.pw_gid)
 
     def start(self, timeout: float = 60.0) -> None:
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "jupyter_server"], env=self.env, stdout=self._log,
+        argv = [self.python, "-m", "jupyter_server"]
+        if self.user is not None:
+            argv = ["setpriv", "--reuid", str(self.user.pw_uid), "--regid",
+                    str(self.user.pw_gid), "--init-groups", "--", *argv]
+        self.proc = subprocess.Popen(argv, env=self.env, stdout=self._log,
                                      stderr=subprocess.STDOUT, cwd=str(self.base))
         deadline = time.monotonic() + timeout
         while True:

@@ -1,9 +1,11 @@
-"""Who may do what: a second real user against root's kernel (launched by the real server),
+"""Who may do what: a second real account against root's kernel (launched by the real server),
 the store's and the helper's file modes, and the REST API's authentication and authorization.
 
-The server runs with ``allow_unauthenticated_access=False`` and an authorizer that refuses
-Infinijup's routes to requests carrying ``X-Test-Deny``. The store lives in a 0755 directory,
-so only its own modes keep other users out.
+Root's server runs with ``allow_unauthenticated_access=False``. The second account runs a
+Jupyter server of its own (a real ``jupyter server`` process, as that account, with its own
+token, store and kernels): its real credentials are what root's routes must refuse (403), and
+its own kernels must snapshot, restore and branch through its own server, as a plain account,
+here. The store lives in a 0755 directory, so only its own modes keep other users out.
 """
 
 from __future__ import annotations
@@ -11,9 +13,21 @@ from __future__ import annotations
 import json
 import os
 import stat
+from pathlib import Path
 
 import pytest
-from reliakit import as_user, fill, modes_under, needs_helper, provisioner, store_state
+from reliakit import (
+    ServerProcess,
+    as_user,
+    fill,
+    make_base,
+    modes_under,
+    needs_helper,
+    provisioner,
+    readable_by,
+    store_state,
+    user_pythonpath,
+)
 from tornado.httpclient import AsyncHTTPClient
 
 pytestmark = [needs_helper, pytest.mark.timeout(180)]
@@ -169,11 +183,37 @@ ROUTES = [
     ("POST", "infinijup/snapshot", {"kernel_id": "{kid}"}),
     ("POST", "infinijup/restore", {"kernel_id": "{kid}", "commit": "main"}),
     ("POST", "infinijup/branch", {"kernel_id": "{kid}", "name": "attack"}),
+    ("POST", "infinijup/resume", {"path": "x.ipynb", "commit": "main"}),
 ]
 
 
-async def test_every_route_needs_authentication_and_authorization(
-        notebook, jp_serverapp, jp_base_url, jp_http_port, store_path):
+@pytest.fixture
+def other_server(helper_up, other_user):
+    """The second account's own Jupyter server (its own token, store and notebooks), as that
+    account, on the same helper."""
+    base = make_base()
+    for path in user_pythonpath().split(os.pathsep):
+        if not readable_by(other_user, path):
+            pytest.skip(f"{path} is not readable by {other_user.pw_name}: the second account "
+                        "cannot run this checkout's Jupyter server (clone it where other "
+                        "accounts can read it, e.g. under /opt or /srv)")
+    (base / "store-dir").mkdir()
+    server = ServerProcess(base / "server", helper_up.socket_path, str(base / "store-dir" / "store"),
+                           base / "server" / "notebooks", user=other_user)
+    server.start()
+    yield server
+    server.stop()
+    import shutil
+
+    shutil.rmtree(base, ignore_errors=True)
+
+
+async def test_every_route_refuses_another_accounts_credentials(
+        notebook, jp_serverapp, jp_base_url, jp_http_port, store_path, other_server, other_user):
+    """Root's routes refuse the second account: its real token (of its own real server) gets
+    403 on every Infinijup route of root's server, as do no credentials and a forged one;
+    the second account's server does not know root's kernel (404); nothing happens to root's
+    kernel or store."""
     nb = notebook
     await nb.execute("x = 1")
     first = await nb.snapshot()
@@ -181,6 +221,7 @@ async def test_every_route_needs_authentication_and_authorization(
     client = AsyncHTTPClient()
     token = jp_serverapp.identity_provider.token
     assert token and not jp_serverapp.allow_unauthenticated_access
+    assert other_server.token != token
 
     async def call(method, route, body, headers):
         url = f"http://localhost:{jp_http_port}{jp_base_url}{route.format(kid=nb.kernel_id)}"
@@ -194,23 +235,67 @@ async def test_every_route_needs_authentication_and_authorization(
     seen = {}
     for method, route, body in ROUTES:
         for who, headers in (
+            ("the second account's own token", {"Authorization": f"token {other_server.token}"}),
             ("no credentials", {}),
-            ("a wrong token", {"Authorization": "token not-the-token"}),
-            ("an empty token", {"Authorization": "token "}),
-            ("a valid token, denied by the authorizer",
-             {"Authorization": f"token {token}", "X-Test-Deny": "1"}),
+            ("a forged token", {"Authorization": "token not-the-token"}),
         ):
             code = await call(method, route, body, headers)
             assert code == 403, (method, route, who, code)
-        seen[route] = await call(method, route.replace("{kid}", "no-such-kernel"), body and {
-            k: ("no-such-kernel" if v == "{kid}" else v) for k, v in body.items()},
-            {"Authorization": f"token {token}"})
-    # with the token the same routes answer (404 for the unknown kernel, not 403)
+        if "{kid}" in route or (body and "{kid}" in body.values()):
+            seen[route] = await call(method, route.replace("{kid}", "no-such-kernel"), body and {
+                k: ("no-such-kernel" if v == "{kid}" else v) for k, v in body.items()},
+                {"Authorization": f"token {token}"})
+    # with root's token the same routes answer (404 for the unknown kernel, not 403)
     assert set(seen.values()) == {404}, seen
+    # the second account's server, with its own token, knows nothing of root's kernel
+    for method, route, body in ROUTES[:5]:
+        path = "/" + route.format(kid=nb.kernel_id)
+        code, _ = other_server.request(method, path, body and {
+            k: v.format(kid=nb.kernel_id) for k, v in body.items()})
+        assert code == 404, (method, route, code)
     # and none of the refused requests did anything
     assert store_state(store_path) == before
     assert (await nb.history())["threads"] == {"main": first["commit"]}
     assert await nb.value("x") == 1
+
+
+def test_second_account_snapshots_restores_and_branches_its_own_kernel(other_server,
+                                                                       other_user):
+    """A plain account's whole round trip, through its own real Jupyter server and the shared
+    root helper, on this machine (whose root lacks CAP_SYS_RESOURCE): its kernel runs as it,
+    snapshot, change, restore (the value comes back), branch, snapshot on the branch."""
+    import psutil
+
+    kernel_id = other_server.open_session("mine.ipynb")
+    kernel = other_server.kernel_client(kernel_id)
+    try:
+        kernel.execute("import os\nx = 'first'\nme = os.getuid()")
+        assert kernel.evaluate(me="me")["me"] == str(other_user.pw_uid)
+        for proc in psutil.process_iter(["cmdline", "uids"]):
+            if any(f"kernel-{kernel_id}.json" in a for a in (proc.info["cmdline"] or [])):
+                assert set(proc.info["uids"]) == {other_user.pw_uid}
+        code, snap = other_server.request("POST", "/infinijup/snapshot", {"kernel_id": kernel_id})
+        assert code == 201, snap
+        kernel.execute("x = 'second'")
+        code, done = other_server.request("POST", "/infinijup/restore",
+                                          {"kernel_id": kernel_id, "commit": snap["commit"]})
+        assert code == 200, done
+        kernel.wait_answering()
+        assert kernel.evaluate(x="x")["x"] == "'first'"
+        code, br = other_server.request("POST", "/infinijup/branch",
+                                        {"kernel_id": kernel_id, "name": "other-path"})
+        assert code in (200, 201), br
+        kernel.execute("x = 'on the branch'")
+        code, snap2 = other_server.request("POST", "/infinijup/snapshot",
+                                           {"kernel_id": kernel_id})
+        assert code == 201 and snap2["thread"] == "other-path", snap2
+        assert snap2["parents"] == [snap["commit"]]
+        store = Path(other_server.env["INFINIJUP_STORE"])
+        assert all(st.st_uid == other_user.pw_uid for st in
+                   (p.lstat() for p in [store, *store.rglob("*")]))
+    finally:
+        kernel.close()
+        other_server.request("DELETE", f"/api/kernels/{kernel_id}")
 
 
 BAD_BODIES = [
