@@ -143,6 +143,8 @@ async def test_helper_killed_during_restore_checkout(notebook, jp_serverapp, rhe
     from infinijup.store import Repository
 
     nb = notebook
+    # no hot copy: the restore must check the images out of the store, where it is caught
+    monkeypatch.setattr(jp_serverapp.web_app.settings["infinijup_manager"], "hot_tier_bytes", 0)
     digest, _ = await prepare(nb, seed=24)
     big = await nb.snapshot(message="300 MiB to check out")
     root = provisioner(jp_serverapp, nb.kernel_id).root_pid
