@@ -10,6 +10,7 @@ CRIU_PREFIX ?= /opt/infinijup/criu
 HELPER_SOCKET ?= /run/infinijup/helper.sock
 HELPER_PIDFILE ?= /run/infinijup/helper.pid
 HELPER_LOG ?= /var/log/infinijup-helper.log
+HELPER_PREFIX ?= /opt/infinijup/helper
 LAB_PORT ?= 8888
 LAB_IP ?= 127.0.0.1
 STAMPS := .stamps
@@ -75,9 +76,12 @@ $(STAMPS)/install: $(STAMPS)/venv $(STAMPS)/frontend pyproject.toml
 	@mkdir -p $(STAMPS) && touch $@
 
 # --- the privileged helper (root) --------------------------------------------------------
+# Root never runs the checkout or its venv (whoever can write those would be root): the helper
+# is copied to $(HELPER_PREFIX), root-owned, and runs from there (scripts/install_helper.py).
 helper: $(STAMPS)/install
 	@scripts/require-root.sh "starting the privileged helper (CRIU needs root)" "sudo make helper"
-	@$(PY) -m infinijup_helper --daemon --socket $(HELPER_SOCKET) --pidfile $(HELPER_PIDFILE) --log $(HELPER_LOG)
+	@$(PY) scripts/install_helper.py --prefix $(HELPER_PREFIX) >/dev/null
+	@$(HELPER_PREFIX)/bin/infinijup-helper --daemon --socket $(HELPER_SOCKET) --pidfile $(HELPER_PIDFILE) --log $(HELPER_LOG)
 
 helper-stop:
 	@if [ -f $(HELPER_PIDFILE) ]; then kill $$(cat $(HELPER_PIDFILE)) 2>/dev/null || true; rm -f $(HELPER_PIDFILE); fi

@@ -44,18 +44,18 @@ def trusted_by_everyone(path: str) -> bool:
     real = os.path.realpath(path)
     try:
         st = os.stat(real)
-    except OSError:
-        return False
-    if st.st_uid != 0 or st.st_mode & 0o022 or not st.st_mode & 0o001:
-        return False
-    parent = os.path.dirname(real)
-    while True:
-        st = os.stat(parent)
         if st.st_uid != 0 or st.st_mode & 0o022 or not st.st_mode & 0o001:
             return False
-        if parent == "/":
-            return True
-        parent = os.path.dirname(parent)
+        parent = os.path.dirname(real)
+        while True:
+            st = os.stat(parent)
+            if st.st_uid != 0 or st.st_mode & 0o022 or not st.st_mode & 0o001:
+                return False
+            if parent == "/":
+                return True
+            parent = os.path.dirname(parent)
+    except OSError:  # a directory on the way we cannot even look at
+        return False
 
 
 def default_nsinit_python() -> str:

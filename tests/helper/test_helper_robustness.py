@@ -10,9 +10,11 @@ import signal
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from helperkit import (
+    CRIU,
     PYTHON,
     HelperDaemon,
     helper_env,
@@ -132,6 +134,10 @@ def test_second_start_says_already_running(helper: HelperDaemon) -> None:
 
 
 def test_refuses_to_start_without_root() -> None:
+    # Imported before dropping to nobody: the checkout may be where nobody cannot read it
+    # (a clone under a 0700 /root); what is tested is the helper's refusal, not the import.
+    from infinijup_helper.__main__ import main
+
     base = make_base()
     read_fd, write_fd = os.pipe()
     pid = os.fork()
@@ -142,8 +148,6 @@ def test_refuses_to_start_without_root() -> None:
             os.setgroups([])
             os.setgid(65534)
             os.setuid(65534)
-            from infinijup_helper.__main__ import main
-
             with open(write_fd, "w") as err, contextlib.redirect_stderr(err):
                 code = main(
                     [
@@ -187,3 +191,58 @@ def test_daemon_mode_pidfile_and_stop() -> None:
     assert not os.path.exists(pidfile)
     assert "ready" in open(log).read()
     shutil.rmtree(daemon.base)
+
+
+def test_installed_helper_runs_from_a_root_only_copy(other_account) -> None:
+    """``sudo make helper`` copies the helper and all it imports to a root-owned prefix and
+    runs it from there (scripts/install_helper.py): no file root runs is writable by anyone
+    else, and a root tree and a plain account's tree round-trip through that copy."""
+    import pwd
+    import tempfile
+
+    from helperkit import REPO, as_user
+
+    from infinijup.helper_client import HelperClient
+
+    parent = Path(tempfile.mkdtemp(prefix="infinijup-install-", dir="/var/lib"))
+    os.chmod(parent, 0o755)
+    prefix = parent / "helper"
+    try:
+        done = subprocess.run([PYTHON, str(REPO / "scripts" / "install_helper.py"), "--prefix",
+                               str(prefix)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        entry = Path(done.stdout.strip())
+        assert entry == prefix / "bin" / "infinijup-helper"
+        for path in [prefix, *prefix.rglob("*")]:
+            st = path.lstat()
+            assert st.st_uid == 0 and not st.st_mode & 0o022, path
+        base = make_base()
+        daemon = HelperDaemon(base)
+        daemon.argv = lambda *extra: [str(entry), "--socket", daemon.socket_path,  # type: ignore
+                                      "--work", daemon.work_dir, "--criu", CRIU, *extra]
+        daemon.start()
+        try:
+            cmdline = Path(f"/proc/{daemon.proc.pid}/cmdline").read_bytes().split(b"\0")
+            assert cmdline[1:3] == [b"-I", str(entry).encode()], cmdline
+            client = HelperClient(daemon.socket_path, timeout=120)
+            work = client.work_dir()
+            root = client.spawn([PYTHON, "-c", "import time; time.sleep(600)"], kernel_env(),
+                                work, f"{work}/i.log")
+            client.dump(root, f"{work}/img")
+            client.kill(client.restore(f"{work}/img", replace_pid=root).pid)
+            user_work = as_user(other_account, client.work_dir)["value"]
+            spawned = as_user(other_account, lambda: client.spawn(
+                ["/usr/bin/python3", "-c", "import time; time.sleep(600)"],
+                {"PATH": "/usr/bin:/bin"}, user_work, f"{user_work}/i.log"))
+            assert "value" in spawned, spawned
+            tree = spawned["value"]
+            dumped = as_user(other_account, lambda: client.dump(tree, f"{user_work}/img").__dict__)
+            assert "value" in dumped, dumped
+            assert as_user(other_account, lambda: client.kill(tree)) == {"value": None}
+            assert pwd.getpwuid(os.stat(f"{user_work}/img").st_uid).pw_uid == \
+                other_account.pw_uid
+        finally:
+            daemon.stop()
+            shutil.rmtree(base, ignore_errors=True)
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
