@@ -25,8 +25,11 @@ from .kernel_key import user_kernel_key
 from .process import TrackedProcess
 
 # Environment a kernel must not inherit: the parent poller would shut a restored kernel down,
-# since its parent is no longer the process that launched it.
-_SCRUBBED_ENV = ("JPY_PARENT_PID",)
+# since its parent is no longer the process that launched it; and the server's (or JupyterHub's)
+# own credentials, which would otherwise sit in every kernel's memory and so in every snapshot
+# (docs/security.md). INFINIJUP_SERVER_TOKEN stays: the magics need it (see there).
+_SCRUBBED_ENV = ("JPY_PARENT_PID", "JUPYTER_TOKEN", "JPY_API_TOKEN", "JUPYTERHUB_API_TOKEN",
+                 "JUPYTER_PASSWORD")
 
 
 class InfinijupProvisioner(LocalProvisioner):

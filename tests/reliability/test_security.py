@@ -198,8 +198,12 @@ def other_server(helper_up, other_user):
                         "cannot run this checkout's Jupyter server (clone it where other "
                         "accounts can read it, e.g. under /opt or /srv)")
     (base / "store-dir").mkdir()
+    hub_secret = f"hub-secret-{os.urandom(8).hex()}"  # as JupyterHub would set them
     server = ServerProcess(base / "server", helper_up.socket_path, str(base / "store-dir" / "store"),
-                           base / "server" / "notebooks", user=other_user)
+                           base / "server" / "notebooks", user=other_user,
+                           extra_env={"JUPYTERHUB_API_TOKEN": hub_secret,
+                                      "JPY_API_TOKEN": hub_secret})
+    server.hub_secret = hub_secret
     server.start()
     yield server
     server.stop()
@@ -271,9 +275,14 @@ def test_second_account_snapshots_restores_and_branches_its_own_kernel(other_ser
     try:
         kernel.execute("import os\nx = 'first'\nme = os.getuid()")
         assert kernel.evaluate(me="me")["me"] == str(other_user.pw_uid)
-        for proc in psutil.process_iter(["cmdline", "uids"]):
-            if any(f"kernel-{kernel_id}.json" in a for a in (proc.info["cmdline"] or [])):
-                assert set(proc.info["uids"]) == {other_user.pw_uid}
+        kernels = [p for p in psutil.process_iter(["cmdline", "uids"])
+                   if any(f"kernel-{kernel_id}.json" in a for a in (p.info["cmdline"] or []))]
+        assert kernels
+        for proc in kernels:
+            assert set(proc.info["uids"]) == {other_user.pw_uid}
+            # the hub's and the server's credentials are not in the kernel (nor its snapshots)
+            environ = Path(f"/proc/{proc.pid}/environ").read_bytes()
+            assert other_server.hub_secret.encode() not in environ
         code, snap = other_server.request("POST", "/infinijup/snapshot", {"kernel_id": kernel_id})
         assert code == 201, snap
         kernel.execute("x = 'second'")
