@@ -1,20 +1,27 @@
 """The quiesce step that gives back what GPU libraries cache but do not use (gpu_sync.py).
 
-Without torch nothing happens and nothing is reported. The logic with torch is tested on a small
-stand-in module put into ``sys.modules`` (this machine has no GPU; the real thing is exercised
-on the GPU machine by tests/kernel/test_gpu_kernel.py and bench/gpu_bench.py): only devices
-holding a context are touched, the work is synchronized before the cache is emptied, live
-memory stays, and the numbers reach the commit's metadata through the agent.
+Without torch nothing happens and nothing is reported. The logic is tested here on a small
+stand-in for torch put into ``sys.modules`` (a unit test of the release function, for machines
+without a GPU): only devices holding a context are touched, the work is synchronized before the
+cache is emptied, live memory stays, and the numbers reach the commit's metadata through the
+agent. On a GPU machine, the last two tests do it for real through the server: a model cast
+from fp32 to bf16 leaves its fp32 copy cached; the snapshot releases it, keeps the tensor (same
+address, same bytes) and records the release; the restore brings the tensor back.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 import types
 
 import pytest
+from kernelkit import needs_helper
 
 from infinijup.kernel_magics import agent, gpu_sync, hooks
+
+HAS_GPU = os.path.exists("/dev/nvidiactl") and shutil.which("nvidia-smi") is not None
 
 
 class FakeCuda:
@@ -138,3 +145,51 @@ def test_commit_metadata_keeps_only_byte_counts():
     assert meta == {"gpu_release": {"reserved_before": 10,
                                     "torch": {"reserved_before": 10, "error": "e" * 200}}}
     assert agent.commit_metadata({"gpu_release": "lots"}) == {}
+
+
+# --- for real, on a GPU machine ---------------------------------------------------------------
+CAST = """
+import torch
+torch.manual_seed(0)
+w = torch.randn(512 * 2**20, device="cuda")     # 2 GiB of fp32
+w16 = w.to(torch.bfloat16); del w                # 1 GiB live; the fp32 block stays cached
+torch.cuda.synchronize()
+reserved, live = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+ptr, chk = w16.data_ptr(), float(w16[::4096].float().sum())
+"""
+GiB = 1 << 30
+
+
+@needs_helper
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not HAS_GPU, reason="no NVIDIA GPU on this machine (runs on the GPU machine)")
+@pytest.mark.parametrize("how", ["rest", "magic"])
+async def test_a_snapshot_releases_the_cache_and_keeps_the_tensors(notebook, how):
+    nb = notebook
+    await nb.execute(CAST)
+    reserved, live = await nb.value("(reserved, live)")
+    assert reserved - live >= 2 * GiB - (64 << 20), (reserved, live)  # the cached fp32 block
+    if how == "rest":
+        snap = await nb.snapshot(message="released")
+        commit, release = snap["commit"], snap["stats"]["gpu_release"]
+    else:
+        out = await nb.execute("%snapshot -w -m released")
+        assert out["stdout"].startswith("Snapshot "), out
+        latest = (await nb.history())["commits"][0]
+        commit, release = latest["id"], latest["metadata"]["gpu_release"]
+    assert release["reserved_before"] >= reserved and release["allocated"] == live, release
+    assert release["reserved_after"] <= release["reserved_before"] - 2 * GiB + (64 << 20)
+    # (before any cell allocates again) the cache is what the release left
+    assert await nb.value("torch.cuda.memory_reserved()") == release["reserved_after"]
+    # the live tensor did not move and did not change
+    assert await nb.value("(w16.data_ptr() == ptr, float(w16[::4096].float().sum()) == chk)") \
+        == (True, True)
+    # the driver saved what was left on the GPU, not the cache
+    meta = next(c for c in (await nb.history())["commits"] if c["id"] == commit)["metadata"]
+    saved = sum(meta["gpu"]["vram_bytes"].values())
+    assert saved < release["reserved_before"], (saved, release)
+    assert meta["gpu_release"] == release
+    await nb.execute("w16.zero_(); torch.cuda.synchronize()")
+    await nb.restore(commit)
+    assert await nb.value("(w16.data_ptr() == ptr, float(w16[::4096].float().sum()) == chk)") \
+        == (True, True)
