@@ -4,6 +4,7 @@ import it without clashing with other directories' conftest modules."""
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import sys
@@ -60,7 +61,10 @@ class Notebook:
     """A notebook's view of the server: a session, its kernel's websocket, REST calls."""
 
     def __init__(self, fetch, ws_fetch, path: str) -> None:
-        self.fetch, self.ws_fetch, self.path = fetch, ws_fetch, path
+        # jp_fetch gives up after 20 s; a snapshot on a loaded machine may take longer: only
+        # a hang guard here (a call may still pass its own request_timeout)
+        self.fetch = functools.partial(fetch, request_timeout=600)
+        self.ws_fetch, self.path = ws_fetch, path
         self.session = uuid.uuid4().hex
         self.kernel_id = ""
         self.ws = None

@@ -564,7 +564,7 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")[-5000:]
 
     def request(self, method: str, path: str, body: dict | None = None,
-                timeout: float = 120.0, token: str | None = None) -> tuple[int, dict]:
+                timeout: float = 600.0, token: str | None = None) -> tuple[int, dict]:
         import urllib.error
         import urllib.request
 

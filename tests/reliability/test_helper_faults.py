@@ -142,6 +142,8 @@ async def test_helper_killed_during_restore_checkout(notebook, jp_serverapp, rhe
     """Killed before the kernel is touched: the running kernel is kept, the reason shown."""
     from infinijup.store import Repository
 
+    # the images must come out of the store (not the hot tier, engine/hot_tier.py)
+    jp_serverapp.web_app.settings["infinijup_manager"].hot_tier_bytes = 0
     nb = notebook
     # no hot copy: the restore must check the images out of the store, where it is caught
     monkeypatch.setattr(jp_serverapp.web_app.settings["infinijup_manager"], "hot_tier_bytes", 0)
