@@ -92,7 +92,7 @@ class Notebook:
         self.ws.write_message(json.dumps(msg))
         return msg["header"]["msg_id"]
 
-    async def collect(self, msg_id: str, timeout: float = 30) -> dict:
+    async def collect(self, msg_id: str, timeout: float = 120) -> dict:
         """Outputs of one execute request: stdout text, result, reply, once idle again."""
         out = {"stdout": "", "stderr": "", "result": None, "reply": None, "error": None}
         idle = False
@@ -121,7 +121,7 @@ class Notebook:
                 idle = True
         return out
 
-    async def execute(self, code: str, timeout: float = 30) -> dict:
+    async def execute(self, code: str, timeout: float = 120) -> dict:
         out = await self.collect(self.send_execute(code), timeout)
         assert out["error"] is None, out["error"]
         return out
