@@ -713,9 +713,11 @@ export namespace HistoryPanel {
   }
 }
 
-/** "DataFrame (1000, 3) · 24 KiB" */
+/** "DataFrame (1000, 3), 24 KiB" */
 function describeVar(v: IVariableInfo): string {
-  return esc([v.type, v.shape, formatBytes(v.size)].filter(Boolean).join(' '));
+  return esc(
+    `${v.type}${v.shape ? ` ${v.shape}` : ''}, ${formatBytes(v.size)}`
+  );
 }
 
 function variableTable(items: readonly IVariableInfo[]): string {

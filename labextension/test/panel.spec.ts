@@ -293,8 +293,8 @@ describe('HistoryPanel', () => {
       panel.node.querySelectorAll('.jp-Infinijup-diffs li')
     ).map(li => [li.getAttribute('data-kind'), li.textContent]);
     expect(diffs).toEqual([
-      ['only-a', 'model only in cccccccc (int 28 B)'],
-      ['only-b', 'tmp only in bbbbbbbb (int 28 B)']
+      ['only-a', 'model only in cccccccc (int, 28 B)'],
+      ['only-b', 'tmp only in bbbbbbbb (int, 28 B)']
     ]);
     expect(text(panel, '.jp-Infinijup-compare')).toContain(
       '2 differ, 1 identical.'

@@ -435,7 +435,7 @@ export function demoHistory(now: number): IHistoryJSON {
         ...base,
         model('a-n1'),
         opt('a-o1'),
-        ['history', 'list', 4096, '(1,)', 'h1', true]
+        ['history', 'list', 4096, 'len 1', 'h1', true]
       ])
     ),
     commit(
@@ -449,7 +449,7 @@ export function demoHistory(now: number): IHistoryJSON {
         ...base,
         model('n1'),
         opt('o1'),
-        ['losses', 'list', 8192, '(938,)', 'l1', true]
+        ['losses', 'list', 8192, 'len 938', 'l1', true]
       ])
     ),
     commit(
@@ -463,7 +463,7 @@ export function demoHistory(now: number): IHistoryJSON {
         ...base,
         model('a-n2'),
         opt('a-o2'),
-        ['history', 'list', 8192, '(2,)', 'h2', true]
+        ['history', 'list', 8192, 'len 2', 'h2', true]
       ])
     ),
     commit(
@@ -489,7 +489,7 @@ export function demoHistory(now: number): IHistoryJSON {
         ...base,
         model('n1', false),
         opt('o1', false),
-        ['losses', 'list', 8192, '(938,)', 'l1', false],
+        ['losses', 'list', 8192, 'len 938', 'l1', false],
         ['acc', 'float', 24, null, '0.871', true]
       ])
     ),
@@ -505,7 +505,7 @@ export function demoHistory(now: number): IHistoryJSON {
         ...base,
         model('n1', false),
         opt('o1', false),
-        ['losses', 'list', 8192, '(938,)', 'l1', false],
+        ['losses', 'list', 8192, 'len 938', 'l1', false],
         ['acc', 'float', 24, null, '0.871', false],
         ['fig', 'Figure', 96 * 1024, null, 'f1', true],
         ['ax', 'Axes', 48 * 1024, null, 'ax1', true]

@@ -137,10 +137,10 @@ test.describe('Commits people can recognise @mocked', () => {
     await expect(row(page, 'a2')).toHaveClass(/jp-mod-compare/);
     const diffs = card.locator('.jp-Infinijup-diffs li');
     await expect(diffs).toHaveText([
-      /^history only in [0-9a-f]{8} \(list \(2,\) 8\.00 KiB\)$/,
-      /^losses only in [0-9a-f]{8} \(list \(938,\) 8\.00 KiB\)$/,
-      /^model differs: Net 1\.10 GiB → Net 1\.10 GiB$/,
-      /^opt differs: AdamW 2\.20 GiB → AdamW 2\.20 GiB$/
+      /^history only in [0-9a-f]{8} \(list len 2, 8\.00 KiB\)$/,
+      /^losses only in [0-9a-f]{8} \(list len 938, 8\.00 KiB\)$/,
+      /^model differs: Net, 1\.10 GiB → Net, 1\.10 GiB$/,
+      /^opt differs: AdamW, 2\.20 GiB → AdamW, 2\.20 GiB$/
     ]);
     await expect(diffs.nth(0).locator('code').last()).toHaveText(short('a2'));
     await expect(diffs.nth(1).locator('code').last()).toHaveText(short('m4'));
