@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import logging
 import os
 import select
 import signal
@@ -38,6 +39,8 @@ from .registry import Held, Registry
 from .retarget import RetargetPlan
 from .seal import FileSeal, Sealer, is_sealed_name, untrusted
 from .stages import StageBase
+
+log = logging.getLogger(__name__)
 
 KILL_TIMEOUT_S = 30.0
 COPY_CHUNK = 1 << 20
@@ -90,6 +93,64 @@ def member_pidfds(tree: Held) -> dict[int, int]:
         else:
             os.close(fd)
     return out
+
+
+def kill_aborted_restore(registry: Registry, recorded: int | None) -> None:
+    """After CRIU was killed mid-restore: end the tree it was making. Restored roots are the
+    helper's children (``rst_sibling``): one this restore recorded, or one still named by
+    CRIU (not yet recorded, so not anybody's tree). Each is killed through a pidfd taken
+    while it was the helper's child, its descendants with it."""
+    me = os.getpid()
+    for child in tree_members(me)[1:]:
+        if read_proc(child) is None or read_proc(child).ppid != me:
+            continue
+        if child != recorded and registry.lookup(child) is not None:
+            continue  # somebody's live tree
+        try:
+            fd = os.pidfd_open(child)
+        except OSError:
+            continue
+        try:
+            info = read_proc(child)
+            if info is None or info.ppid != me:
+                continue
+            if child != recorded and _comm(child) != "criu":
+                continue  # a launcher, a CRIU, an init not yet recorded: not ours to end
+            held: list[int] = []
+            try:
+                for member in tree_members(child)[1:]:
+                    try:
+                        member_fd = os.pidfd_open(member)
+                    except OSError:
+                        continue
+                    if _descends_from(member, child):  # checked after the open: not recycled
+                        held.append(member_fd)
+                    else:
+                        os.close(member_fd)
+                for member_fd in held:
+                    _signal_quietly(member_fd)
+                _signal_quietly(fd)
+            finally:
+                for member_fd in held:
+                    os.close(member_fd)
+            log.warning("killed the tree %d of an aborted restore", child)
+        finally:
+            os.close(fd)
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _signal_quietly(pidfd: int) -> None:
+    try:
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _descends_from(pid: int, root: int) -> bool:
@@ -387,9 +448,12 @@ class CriuRestore(StageBase):
                 if now != size:
                     raise untrusted(f"{name} changed while CRIU was reading it")
 
+        def aborted() -> None:
+            kill_aborted_restore(job.registry, job.pid)
+
         deadline = self.criu.deadline_s(job.staged_bytes)
         pid = self.criu.restore(job.staging.fd, run_as=job.run_as, deadline_s=deadline,
-                                on_notify=on_notify, watch=pages_unchanged)
+                                on_notify=on_notify, watch=pages_unchanged, on_abort=aborted)
         if job.pid is None:  # no post-restore notification: record it now
             job.registry.add(pid, job.caller.uid)
         job.pid = pid

@@ -150,7 +150,8 @@ class Criu:
 
     def _request(self, kind: str, images_fd: int, log_name: str, configure: Any, *,
                  run_as: RunAs | None, deadline_s: float, on_notify: Notify | None = None,
-                 watch: Callable[[], None] | None = None) -> Any:
+                 watch: Callable[[], None] | None = None,
+                 on_abort: Callable[[], None] | None = None) -> Any:
         """One CRIU request over its RPC socket, CRIU's notifications answered on the way.
 
         ``on_notify(action, pid)`` runs at each of CRIU's notifications (``post-dump``: the
@@ -159,7 +160,8 @@ class Criu:
         restored one) and that error is raised once CRIU has answered.
         Past ``deadline_s`` CRIU is killed and the request fails with ``criu_failed``;
         ``watch()`` runs every second while CRIU works, and if it raises, CRIU is killed and
-        that error is raised.
+        that error is raised. ``on_abort()`` runs after CRIU was killed (a restore's
+        half-made tree must not outlive it: its tasks would wait, or spin, for ever).
         """
         rpc = self.pycriu.rpc
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -208,23 +210,23 @@ class Criu:
                 _send(ours, rpc.criu_req(type=rpc.NOTIFY, notify_success=ok), deadline)
             hold(f"criu_{kind}_response", criu_pid=swrk.pid)
         except RequestError:
-            _kill(swrk)  # the watch found something wrong
+            _kill(swrk, on_abort)  # the watch found something wrong
             raise
         except TimeoutError:
-            _kill(swrk)
+            _kill(swrk, on_abort)
             raise CriuFailed(
                 f"CRIU {kind} did not finish within {deadline_s:.0f} s and was stopped (a stalled "
                 f"CRIU holds nobody else's operation, but this one is lost)\n"
                 f"{log_tail(images_fd, log_name)}") from None
         except (OSError, ValueError) as exc:  # CRIU died, or sent garbage
-            _kill(swrk)
+            _kill(swrk, on_abort)
             raise CriuFailed(f"CRIU {kind} failed: {exc}\n{log_tail(images_fd, log_name)}") from None
         finally:
             ours.close()
             try:
                 swrk.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _kill(swrk)
+                _kill(swrk, on_abort)
         if failure is not None:
             raise failure
         if not resp.success:
@@ -251,7 +253,8 @@ class Criu:
                       deadline_s=deadline_s, on_notify=on_notify)
 
     def restore(self, images_fd: int, *, run_as: RunAs | None, deadline_s: float,
-                on_notify: Notify | None = None, watch: Callable[[], None] | None = None) -> int:
+                on_notify: Notify | None = None, watch: Callable[[], None] | None = None,
+                on_abort: Callable[[], None] | None = None) -> int:
         """Restore a tree as a child of the helper; return the root's host pid."""
 
         def configure(opts: Any) -> None:
@@ -263,7 +266,8 @@ class Criu:
             opts.file_locks = True
 
         resp = self._request("restore", images_fd, RESTORE_LOG, configure, run_as=run_as,
-                             deadline_s=deadline_s, on_notify=on_notify, watch=watch)
+                             deadline_s=deadline_s, on_notify=on_notify, watch=watch,
+                             on_abort=on_abort)
         return int(resp.restore.pid)
 
     # --- image inspection -------------------------------------------------------------------
@@ -310,12 +314,17 @@ def _recv_watched(sk: socket.socket, deadline: float, watch: Callable[[], None] 
             watch()
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def _kill(proc: subprocess.Popen, on_abort: Callable[[], None] | None = None) -> None:
     try:
         proc.kill()
     except ProcessLookupError:
         pass
     proc.wait()
+    if on_abort is not None:
+        try:
+            on_abort()
+        except Exception:  # noqa: BLE001 - the original failure is what the caller must see
+            log.exception("cleaning up after an aborted CRIU run failed")
 
 
 def image_names(dir_fd: int) -> list[str]:

@@ -6,11 +6,13 @@ missing; the protocol parser tests run anywhere.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import queue
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -396,3 +398,41 @@ def user_argv(user: Any, argv: list[str]) -> list[str]:
     """``argv`` run as ``user`` (through setpriv: the test process is threaded)."""
     return ["setpriv", "--reuid", str(user.pw_uid), "--regid", str(user.pw_gid),
             "--clear-groups", "--", *argv]
+
+
+# --- what the attack tests hold and watch ------------------------------------------------------
+SYSTEM_PYTHON = "/usr/bin/python3"  # an account's kernel: a Python every user can run
+
+# A kernel-shaped process of the attacker: holds what its mode says inside directory d.
+HOLDER = r"""
+import os, socket, sys, time
+d, mode = sys.argv[1], sys.argv[2]
+keep = []
+if mode == "file":
+    keep.append(os.open(os.path.join(d, "passwd"), os.O_RDWR))
+elif mode == "socket":
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(os.path.join(d, "helper.sock"))
+    s.listen()
+    keep.append(s)
+elif mode == "ghost":
+    fd = os.open(os.path.join(d, "ghost"), os.O_RDWR | os.O_CREAT, 0o644)
+    os.write(fd, b"planted by the attacker\n")
+    os.unlink(os.path.join(d, "ghost"))
+    keep.append(fd)
+print("ready", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def snapshot_of(path: str) -> tuple[Any, ...]:
+    """What must not change about a file: bytes, owner, group, mode, inode."""
+    st = os.lstat(path)
+    data = b""
+    if stat.S_ISREG(st.st_mode):
+        data = hashlib.sha256(Path(path).read_bytes()).digest()
+    return (data, st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode), stat.S_IFMT(st.st_mode),
+            st.st_ino)
+
+

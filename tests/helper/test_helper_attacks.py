@@ -8,13 +8,11 @@ attempts, never by time. docs/security.md lists which test covers which attack.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import secrets
 import shutil
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import time
@@ -24,53 +22,21 @@ from typing import Any
 
 import pytest
 from helperkit import (
+    HOLDER,
     PYTHON,
+    SYSTEM_PYTHON,
     HelperDaemon,
     Trees,
     as_user,
     kernel_env,
     make_base,
     needs_root_and_criu,
+    snapshot_of,
     user_argv,
     wait_for,
 )
 
 pytestmark = needs_root_and_criu
-
-SYSTEM_PYTHON = "/usr/bin/python3"  # the account's kernel: a Python every user can run
-
-# A kernel-shaped process of the attacker: holds what its mode says inside directory d.
-HOLDER = r"""
-import os, socket, sys, time
-d, mode = sys.argv[1], sys.argv[2]
-keep = []
-if mode == "file":
-    keep.append(os.open(os.path.join(d, "passwd"), os.O_RDWR))
-elif mode == "socket":
-    s = socket.socket(socket.AF_UNIX)
-    s.bind(os.path.join(d, "helper.sock"))
-    s.listen()
-    keep.append(s)
-elif mode == "ghost":
-    fd = os.open(os.path.join(d, "ghost"), os.O_RDWR | os.O_CREAT, 0o644)
-    os.write(fd, b"planted by the attacker\n")
-    os.unlink(os.path.join(d, "ghost"))
-    keep.append(fd)
-print("ready", flush=True)
-while True:
-    time.sleep(1)
-"""
-
-
-def snapshot_of(path: str) -> tuple[Any, ...]:
-    """What must not change about a file: bytes, owner, group, mode, inode."""
-    st = os.lstat(path)
-    data = b""
-    if stat.S_ISREG(st.st_mode):
-        data = hashlib.sha256(Path(path).read_bytes()).digest()
-    return (data, st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode), stat.S_IFMT(st.st_mode),
-            st.st_ino)
-
 
 @pytest.fixture
 def root_dir() -> Iterator[Path]:
@@ -677,6 +643,20 @@ def test_kernels_get_the_callers_resource_limits(helper, limits_account) -> None
             as_user(limits_account, lambda root=root: client.kill(root))
 
 
+def _processes_of(uid: int) -> list[Any]:
+    import psutil
+
+    out = []
+    for proc in psutil.process_iter(["uids"]):
+        try:
+            if proc.info["uids"] and proc.info["uids"].real == uid and \
+                    proc.status() != psutil.STATUS_ZOMBIE:
+                out.append(proc)
+        except psutil.Error:
+            continue
+    return out
+
+
 def _limit(text: str, row: str) -> tuple[str, str]:
     for line in text.splitlines():
         if line.startswith(row + " "):
@@ -721,6 +701,7 @@ def test_a_page_file_truncated_under_criu_stops_that_restore_only(holding_helper
     seal = __import__("json").loads((Path(images) / "infinijup-seal.json").read_text())
     linked = [n for n, v in seal["files"].items() if n.startswith("pages-") and not v["sha256"]]
     pages = max((Path(images) / n for n in linked), key=lambda p: p.stat().st_size)
+    before = {p.pid for p in _processes_of(other_account.pw_uid)}
     (holds / "criu_restore_request").touch()  # CRIU started, nothing sent to it yet
 
     def restore() -> dict[str, Any]:
@@ -742,6 +723,9 @@ def test_a_page_file_truncated_under_criu_stops_that_restore_only(holding_helper
     worker.join()
     assert result.get("error") == "permission_denied", result
     assert f"{pages.name} changed while CRIU was reading it" in result["message"], result
+    # the half-restored tree went with CRIU (its tasks would otherwise spin for ever)
+    wait_for(lambda: {p.pid for p in _processes_of(other_account.pw_uid)} <= before,
+             what="the aborted restore's tasks to be gone")
     assert not os.path.exists(f"/proc/{criu_pid}") or \
         Path(f"/proc/{criu_pid}/stat").read_text().split(") ")[1][0] == "Z"
     assert HelperClient(helper.socket_path, timeout=30).hello().uid == 0
