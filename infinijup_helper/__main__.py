@@ -69,6 +69,8 @@ def parse_args(argv: list[str] | None) -> HelperConfig:
                         help="seconds for a request line to arrive whole")
     parser.add_argument("--idle-timeout", type=float, default=defaults.idle_timeout_s,
                         help="seconds a connection may wait between requests")
+    parser.add_argument("--cgroup", choices=("caller", "none"), default="caller",
+                        help="kernels join the cgroup (v2) of the process that asked for them")
     parser.add_argument("--kernel-rlimit", action="append", default=[], metavar="NAME=SOFT:HARD",
                         help="cap a kernel's resource limit below the caller's own")
     ns = parser.parse_args(argv)
@@ -87,6 +89,7 @@ def parse_args(argv: list[str] | None) -> HelperConfig:
         pid_namespace={"auto": None, "always": True, "never": False}[ns.pid_namespace],
         nsinit_python=ns.nsinit_python,
         criu_timeout_s=ns.criu_timeout,
+        cgroup=ns.cgroup,
         limits=Limits(
             max_connections=ns.max_connections,
             connections_per_user=ns.max_connections_per_user,
@@ -143,7 +146,8 @@ def serve(config: HelperConfig, ready: Ready) -> int:
                          python=config.nsinit_python,
                          features=Features.detect(),
                          pid_namespace=config.pid_namespace,
-                         limits=config.limits)
+                         limits=config.limits,
+                         cgroup=config.cgroup)
         server = HelperServer(config.socket_path, ops)
         server.bind()
         registry.load()  # beside the socket: its directory was checked by bind()

@@ -295,6 +295,7 @@ class RestoreJob:
     staged: list[str] = field(default_factory=list)
     staged_bytes: int = 0
     linked: dict[str, int] = field(default_factory=dict)  # hard-linked page files: their sizes
+    cgroup_procs: str | None = None  # the caller's cgroup: the restored tree goes there
     gpu_map: tuple[tuple[str, str], ...] = ()
     retarget: RetargetPlan = field(default_factory=RetargetPlan)  # see retarget.py
     retargeted: dict = field(default_factory=dict)
@@ -453,7 +454,8 @@ class CriuRestore(StageBase):
 
         deadline = self.criu.deadline_s(job.staged_bytes)
         pid = self.criu.restore(job.staging.fd, run_as=job.run_as, deadline_s=deadline,
-                                on_notify=on_notify, watch=pages_unchanged, on_abort=aborted)
+                                on_notify=on_notify, watch=pages_unchanged, on_abort=aborted,
+                                cgroup_procs=job.cgroup_procs)
         if job.pid is None:  # no post-restore notification: record it now
             job.registry.add(pid, job.caller.uid)
         job.pid = pid

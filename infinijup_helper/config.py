@@ -82,6 +82,7 @@ class HelperConfig:
     pid_namespace: bool | None = None  # None: decided by whether CUDA is usable
     nsinit_python: str = "/usr/bin/python3"
     criu_timeout_s: float = 300.0
+    cgroup: str = "caller"  # kernels join their caller's cgroup (v2): "caller" or "none"
     limits: Limits = field(default_factory=Limits)
 
     @property

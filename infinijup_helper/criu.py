@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from .cgroups import join as join_cgroup
 from .creds import RunAs, find_setpriv
 from .holds import hold
 from .protocol import RequestError
@@ -151,7 +152,8 @@ class Criu:
     def _request(self, kind: str, images_fd: int, log_name: str, configure: Any, *,
                  run_as: RunAs | None, deadline_s: float, on_notify: Notify | None = None,
                  watch: Callable[[], None] | None = None,
-                 on_abort: Callable[[], None] | None = None) -> Any:
+                 on_abort: Callable[[], None] | None = None,
+                 cgroup_procs: str | None = None) -> Any:
         """One CRIU request over its RPC socket, CRIU's notifications answered on the way.
 
         ``on_notify(action, pid)`` runs at each of CRIU's notifications (``post-dump``: the
@@ -176,6 +178,8 @@ class Criu:
             )
         finally:
             theirs.close()
+        if cgroup_procs is not None:  # before CRIU creates any task: they inherit it
+            join_cgroup(cgroup_procs, swrk.pid)
         deadline = time.monotonic() + deadline_s
         failure: RequestError | None = None
         try:
@@ -254,7 +258,8 @@ class Criu:
 
     def restore(self, images_fd: int, *, run_as: RunAs | None, deadline_s: float,
                 on_notify: Notify | None = None, watch: Callable[[], None] | None = None,
-                on_abort: Callable[[], None] | None = None) -> int:
+                on_abort: Callable[[], None] | None = None,
+                cgroup_procs: str | None = None) -> int:
         """Restore a tree as a child of the helper; return the root's host pid."""
 
         def configure(opts: Any) -> None:
@@ -267,7 +272,7 @@ class Criu:
 
         resp = self._request("restore", images_fd, RESTORE_LOG, configure, run_as=run_as,
                              deadline_s=deadline_s, on_notify=on_notify, watch=watch,
-                             on_abort=on_abort)
+                             on_abort=on_abort, cgroup_procs=cgroup_procs)
         return int(resp.restore.pid)
 
     # --- image inspection -------------------------------------------------------------------

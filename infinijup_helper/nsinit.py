@@ -6,8 +6,8 @@ standard library and every user can execute what their own tree's init runs.
 
 ``python -I nsinit.py launch`` (root, the spawn spec as JSON on stdin): the *launcher*, a
 short-lived single-threaded process (the helper is multithreaded and must not fork itself).
-It applies the caller's resource limits, optionally ``unshare(CLONE_NEWPID)``, and forks the
-init, which becomes the caller (see below) and execs ``python -I nsinit.py --owner UID`` with
+It applies the caller's resource limits, joins the caller's cgroup (see cgroups.py),
+optionally ``unshare(CLONE_NEWPID)``, and forks the init, which becomes the caller (see below) and execs ``python -I nsinit.py --owner UID`` with
 a clean environment, stdio on /dev/null, cwd ``<work>/.nsinit/<uid>``, the spec on fd 3 and
 fd 4 for reporting a failure. The launcher waits until the kernel's exec succeeded or failed,
 prints the init's pid or the failure as JSON, and exits; the init is reparented to the helper
@@ -262,6 +262,21 @@ def _exec_init(spec: dict, spec_r: int, error_w: int, report: list[int]) -> None
     os.execve(python, [python, "-I", spec["nsinit_path"], OWNER_FLAG, str(spec["uid"])], {})
 
 
+def _join_cgroup(procs: str | None) -> str | None:
+    """Move the launcher (so the tree it forks) into the caller's cgroup; why not, or None."""
+    if not procs:
+        return None
+    try:
+        fd = os.open(procs, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.write(fd, b"0")
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        return f"could not join the caller's cgroup ({procs}): {exc.strerror}"
+    return None
+
+
 def launch_main() -> int:
     spec = json.load(sys.stdin)
     try:
@@ -269,6 +284,7 @@ def launch_main() -> int:
     except (OSError, ValueError) as exc:
         print(json.dumps({"error": f"setrlimit: {exc}"}))
         return 1
+    cgroup_problem = _join_cgroup(spec.get("cgroup_procs"))
     if spec.get("pid_namespace", True) and _libc.unshare(CLONE_NEWPID) != 0:
         err = ctypes.get_errno()
         print(json.dumps({"error": f"unshare(CLONE_NEWPID): {os.strerror(err)}"}))
@@ -305,7 +321,7 @@ def launch_main() -> int:
         os.waitpid(pid, 0)
         print(json.dumps({"error": failure.decode(errors="replace")}))
         return 1
-    print(json.dumps({"pid": pid}))
+    print(json.dumps({"pid": pid, "cgroup_problem": cgroup_problem}))
     return 0
 
 

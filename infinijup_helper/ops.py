@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import protocol as p
+from .cgroups import caller_cgroup_procs, unified_mount
 from .checkpoint import (
     CriuDump,
     CriuRestore,
@@ -110,6 +111,7 @@ class Operations:
         features: Features = Features(),
         pid_namespace: bool | None = None,
         limits: Limits | None = None,
+        cgroup: str = "caller",
     ) -> None:
         self.work = work
         self.criu = criu
@@ -118,6 +120,8 @@ class Operations:
         self.python = python
         self.features = features
         self.limits = limits or Limits()
+        # Kernels join their caller's cgroup (v2) unless told not to (see cgroups.py).
+        self.cgroup_mount = unified_mount() if cgroup == "caller" else None
         # Kernels get their own PID namespace, except where CUDA is usable: the CUDA driver
         # fails to initialize (error 304) in a PID namespace without its own /proc, and CRIU
         # cannot dump the mount namespace such a /proc needs. Restores then need the original
@@ -240,6 +244,7 @@ class Operations:
             pid_namespace=self.pid_namespace,
             nsinit_group=group,
             rlimits=caller_rlimits(caller, self.limits),
+            cgroup_procs=caller_cgroup_procs(caller, self.cgroup_mount),
         )
         try:
             pid = spawn_tree(spec)
@@ -311,6 +316,7 @@ class Operations:
                 init_caps=NSINIT_CAPS_PIDNS,
                 gpu_map=args.gpu_map,
                 retarget=RetargetPlan(port_map=args.port_map, log_path=log_path),
+                cgroup_procs=caller_cgroup_procs(caller, self.cgroup_mount),
             )
             stages = self.restore_stages()
             phases = run_stages(stages, job, progress)

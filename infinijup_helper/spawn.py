@@ -8,9 +8,12 @@ read it); this module is the helper's side: the validated spec, and :func:`spawn
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class SpawnSpec:
     pid_namespace: bool = True
     nsinit_group: int | None = None  # the init's extra group (non-root, PID namespace)
     rlimits: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    cgroup_procs: str | None = None  # the caller's cgroup (see cgroups.py)
 
 
 class SpawnFailed(Exception):
@@ -64,4 +68,6 @@ def spawn_tree(spec: SpawnSpec, timeout: float = 30.0) -> int:
         raise SpawnFailed(f"the namespace launcher failed (exit {done.returncode}): {err}")
     if "error" in answer:
         raise SpawnFailed(str(answer["error"]))
+    if answer.get("cgroup_problem"):
+        log.warning("tree %s: %s", answer["pid"], answer["cgroup_problem"])
     return int(answer["pid"])

@@ -729,3 +729,80 @@ def test_a_page_file_truncated_under_criu_stops_that_restore_only(holding_helper
     assert not os.path.exists(f"/proc/{criu_pid}") or \
         Path(f"/proc/{criu_pid}/stat").read_text().split(") ")[1][0] == "Z"
     assert HelperClient(helper.socket_path, timeout=30).hello().uid == 0
+
+
+def _as_user_in_cgroup(user: Any, procs: str, fn: Any) -> dict[str, Any]:
+    """``as_user``, from a process that first joined the cgroup of ``procs``."""
+    import json
+
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read_fd)
+            with open(procs, "w") as f:
+                f.write("0")
+            os.setgroups([])
+            os.setgid(user.pw_gid)
+            os.setuid(user.pw_uid)
+            try:
+                out: Any = {"value": fn()}
+            except Exception as exc:  # noqa: BLE001
+                out = {"error": getattr(exc, "reason", None) or type(exc).__name__,
+                       "message": str(exc)}
+            os.write(write_fd, json.dumps(out, default=repr).encode())
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    with os.fdopen(read_fd) as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    return json.loads(data)
+
+
+def _cgroup_of(pid: int) -> str:
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        if line.startswith("0::"):
+            return line[3:]
+    raise AssertionError(f"{pid} has no cgroup v2 line")
+
+
+def test_kernels_join_the_callers_cgroup(helper, other_account, trees) -> None:
+    """Attack 6, the cgroup half: a kernel started (and restored) for a user runs in the
+    cgroup of the process that asked, not in the root helper's, so the limits that hold the
+    user hold their kernels."""
+    from infinijup.helper_client import HelperClient
+    from infinijup_helper.cgroups import unified_mount
+
+    mount = unified_mount()
+    if mount is None:
+        pytest.skip("no cgroup v2 hierarchy on this machine")
+    group = Path(mount) / f"ijsec-{secrets.token_hex(4)}"
+    group.mkdir()
+    procs = str(group / "cgroup.procs")
+    client = HelperClient(helper.socket_path, timeout=120)
+    roots: list[int] = []
+    try:
+        work = as_user(other_account, client.work_dir)["value"]
+        got = _as_user_in_cgroup(other_account, procs, lambda: client.spawn(
+            [SYSTEM_PYTHON, "-c", "import time; time.sleep(600)"], {"PATH": "/usr/bin:/bin"},
+            work, f"{work}/cg.log"))
+        assert "value" in got, got
+        roots.append(trees.add(got["value"]))
+        (kernel,) = _children(roots[0])
+        assert _cgroup_of(roots[0]) == _cgroup_of(kernel) == "/" + group.name
+        assert _cgroup_of(helper.proc.pid) != "/" + group.name
+        images = f"{work}/cg-images-{secrets.token_hex(3)}"
+        assert "value" in as_user(other_account, lambda: client.dump(roots[0], images).__dict__)
+        restored = _as_user_in_cgroup(other_account, procs, lambda: client.restore(
+            images, replace_pid=roots[0]).pid)
+        assert "value" in restored, restored
+        roots.append(trees.add(restored["value"]))
+        (kernel,) = _children(roots[1])
+        assert _cgroup_of(roots[1]) == _cgroup_of(kernel) == "/" + group.name
+    finally:
+        for root in roots:
+            as_user(other_account, lambda root=root: client.kill(root))
+        wait_for(lambda: not (group / "cgroup.procs").read_text().strip(),
+                 what="the cgroup to empty")
+        group.rmdir()
