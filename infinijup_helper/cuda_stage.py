@@ -17,7 +17,7 @@ from typing import Any
 from infinijup.gpu import driver
 from infinijup.gpu.preflight import check, read_nvml
 
-from .proc import tree_members
+from .proc import read_proc, tree_members
 from .stages import StageBase
 
 log = logging.getLogger(__name__)
@@ -25,9 +25,19 @@ log = logging.getLogger(__name__)
 LOCK_TIMEOUT_MS = int(os.environ.get("INFINIJUP_CUDA_LOCK_TIMEOUT_MS", "30000"))
 
 
-def tree_pids(root: int) -> list[int]:
-    """Host pids of ``root`` and all its descendants."""
-    return tree_members(root)
+def tree_pids(root: int, owner: int | None = None) -> list[int]:
+    """Host pids of ``root`` and all its descendants (the caller holds the root: see
+    registry.py). With ``owner``, only the processes whose uids are all that owner's, and the
+    root: a member running as anyone else is never locked or checkpointed for this caller."""
+    pids = tree_members(root)
+    if owner is None or owner == 0:
+        return pids
+    out = [root]
+    for pid in pids[1:]:
+        info = read_proc(pid)
+        if info is not None and all(uid == owner for uid in info.uids):
+            out.append(pid)
+    return out
 
 
 def _uses_nvidia(pid: int) -> bool:
@@ -39,10 +49,10 @@ def _uses_nvidia(pid: int) -> bool:
         return False
 
 
-def cuda_pids(root: int) -> list[int]:
+def cuda_pids(root: int, owner: int | None = None) -> list[int]:
     return [
         p
-        for p in tree_pids(root)
+        for p in tree_pids(root, owner)
         if _uses_nvidia(p) and driver.state(p) is not driver.CudaState.NONE
     ]
 
@@ -67,14 +77,17 @@ class CudaSuspend(StageBase):
 
     name = "cuda_checkpoint"
 
-    def __init__(self, root_pid: int | None = None) -> None:
+    def __init__(self, root_pid: int | None = None, owner: int | None = None) -> None:
         self.root_pid = root_pid  # None: the dump job's pid
+        self.owner = owner  # None: the dump job's caller
         self.suspended: list[int] = []
         self.summary: dict[str, Any] | None = None
 
     def run(self, ctx: Any) -> None:
         root = self.root_pid if self.root_pid is not None else ctx.pid
-        pids = cuda_pids(root)
+        owner = self.owner if self.owner is not None else getattr(
+            getattr(ctx, "caller", None), "uid", None)
+        pids = cuda_pids(root, owner)
         if not pids:
             return
         t0 = time.monotonic()

@@ -337,7 +337,7 @@ class Operations:
             tree.ensure_alive()
             start = time.monotonic()
             if args.action == "release":
-                stage = CudaSuspend(tree.pid)
+                stage = CudaSuspend(tree.pid, owner=tree.tree.owner)
                 stage.run(None)
                 summary = stage.summary or {"pids": 0}
             else:
