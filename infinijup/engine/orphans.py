@@ -93,9 +93,10 @@ def recorded_roots(uid: int, path: str | None = None) -> dict[int, int]:
             return {}
 
 
-def tree_root_of(pid: int, uid: int) -> int | None:
-    """The tree root above ``pid`` that the helper recorded as ``uid``'s, if any."""
-    roots = recorded_roots(uid)
+def tree_root_of(pid: int, uid: int, socket_path: str | None = None) -> int | None:
+    """The tree root above ``pid`` that the helper (of ``socket_path``, default ours) recorded
+    as ``uid``'s, if any."""
+    roots = recorded_roots(uid, socket_path + REGISTRY_SUFFIX if socket_path else None)
     seen = 0
     while pid and pid > 1 and seen < 8:
         if pid in roots and start_time(pid) == roots[pid]:
@@ -115,7 +116,7 @@ def _criu_running() -> bool:
 
 
 def find_restored_tree(shell_port: int, uid: int | None = None, grace: float = 5.0,
-                       timeout: float = 30.0) -> int | None:
+                       timeout: float = 30.0, socket_path: str | None = None) -> int | None:
     """The root pid of a tree serving ``shell_port`` for ``uid`` (default: ours).
 
     Looks for ``grace`` seconds, and on while some CRIU is still at work (the orphaned
@@ -129,7 +130,7 @@ def find_restored_tree(shell_port: int, uid: int | None = None, grace: float = 5
         inodes = _listening_inodes(shell_port)
         holder = _holder(inodes) if inodes else None
         if holder is not None:
-            root = tree_root_of(holder, uid)
+            root = tree_root_of(holder, uid, socket_path)
             if root is not None:
                 return root
         elapsed = time.monotonic() - start

@@ -91,13 +91,13 @@ def _kernel_roots(server: ServerProcess, kernels: list[dict]) -> list[int]:
     roots = []
     for k in kernels:
         conn = json.loads((server.runtime / f"kernel-{k['id']}.json").read_text())
-        roots.append(_listener_root(conn["shell_port"]))
+        roots.append(_listener_root(conn["shell_port"], server.env["INFINIJUP_HELPER_SOCKET"]))
     return roots
 
 
-def _listener_root(port: int) -> int:
+def _listener_root(port: int, socket_path: str) -> int:
     from infinijup.engine.orphans import find_restored_tree
 
-    pid = find_restored_tree(port)
+    pid = find_restored_tree(port, socket_path=socket_path)
     assert pid is not None, f"no kernel tree listens on {port}"
     return pid
