@@ -806,3 +806,64 @@ def test_kernels_join_the_callers_cgroup(helper, other_account, trees) -> None:
         wait_for(lambda: not (group / "cgroup.procs").read_text().strip(),
                  what="the cgroup to empty")
         group.rmdir()
+
+
+def test_a_restarted_helper_adopts_only_its_own_trees(other_account) -> None:
+    """Attack 7, adoption: after a helper crash, the next helper knows the trees from its
+    registry file (pid and start time, written by root only), not from command lines. A live
+    tree is adopted and still obeys its owner; a tree that ended while no helper ran and whose
+    pid a root process took meanwhile is not adopted (its start time differs)."""
+    import json
+
+    from infinijup.helper_client import HelperClient
+
+    base = make_base()
+    first = HelperDaemon(base)
+    first.start()
+    client = HelperClient(first.socket_path, timeout=120)
+    work = as_user(other_account, client.work_dir)["value"]
+    argv = [SYSTEM_PYTHON, "-c", "import time; time.sleep(600)"]
+    env = {"PATH": "/usr/bin:/bin"}
+    kept = as_user(other_account, lambda: client.spawn(argv, env, work, f"{work}/kept.log"))
+    gone = as_user(other_account, lambda: client.spawn(argv, env, work, f"{work}/gone.log"))
+    kept, gone = kept["value"], gone["value"]
+    recorded = json.loads(Path(first.socket_path + ".trees.json").read_text())["trees"]
+    assert {t["pid"] for t in recorded} == {kept, gone}
+    first.stop(signal.SIGKILL)  # a crash: kernels run on
+    impostor = None
+    second = HelperDaemon(base)
+    try:
+        os.kill(gone, signal.SIGKILL)  # its tree ends while no helper runs ...
+        wait_for(lambda: not os.path.exists(f"/proc/{gone}") or
+                 Path(f"/proc/{gone}/stat").read_text().split(") ")[1][0] == "Z",
+                 what="the tree to end")
+        _reap_orphan(gone)
+        impostor = _root_process_at(gone)  # ... and a root process gets its pid
+        second.start()
+        assert as_user(other_account, lambda: client.trees()) == {"value": [kept]}
+        for fn in (lambda: client.dump(gone, f"{work}/stolen"),
+                   lambda: client.signal(gone, signal.SIGTERM)):
+            result = as_user(other_account, fn)
+            assert result.get("error") == "no_such_process", result
+        assert impostor.poll() is None and not os.path.exists(f"{work}/stolen")
+        # the adopted tree is still its owner's alone
+        assert as_user(other_account, lambda: client.status(kept).alive) == {"value": True}
+        assert as_user(other_account, lambda: client.dump(kept, f"{work}/adopted").image_bytes)
+        assert HelperClient(second.socket_path, timeout=60).kill(kept) is None  # root may
+    finally:
+        if impostor is not None:
+            impostor.kill()
+            impostor.wait()
+        for pid in (kept, gone):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        second.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _reap_orphan(pid: int) -> None:
+    """A tree whose helper died was reparented to init (or to us, a subreaper): wait until
+    its pid is free."""
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}"), what=f"{pid} to be reaped")
