@@ -273,7 +273,7 @@ export class HistoryPanel extends Panel {
       parts.push(
         `<div class="jp-Infinijup-notice jp-Infinijup-unmanaged">This kernel (${esc(
           panel.sessionContext.kernelDisplayName
-        )}) is not managed by Infinijup, so it cannot be snapshotted. To take snapshots, switch to <b>Python 3 (Infinijup)</b> with Kernel › Change Kernel….${change}` +
+        )}) is not managed by Infinijup, so it cannot be snapshotted. To take snapshots, switch this notebook to <b>Python 3 (Infinijup)</b> (Kernel › Change Kernel…).${change}` +
           (ready && n > 0
             ? ' Earlier snapshots of this notebook are below: <b>Resume here</b> replaces this kernel with one of them.'
             : '') +

@@ -116,6 +116,11 @@ test.describe('Commits people can recognise @mocked', () => {
     expect(matched.sort()).toEqual(
       ['m5', 'a2', 'm4', 'a1', 'm3'].map(hex).sort()
     );
+    // Enter: the first match in the graph (newest first).
+    await search.press('Enter');
+    await expect(row(page, 'm5')).toHaveClass(/jp-mod-selected/);
+    await search.press('Enter');
+    await expect(row(page, 'a2')).toHaveClass(/jp-mod-selected/);
     await screenshot(panel, testInfo, 'search');
     await search.press('Escape');
     await expect(panel.locator('.jp-Infinijup-row.jp-mod-dimmed')).toHaveCount(

@@ -100,7 +100,7 @@ test.describe('Resume @mocked', () => {
   test('Open in new notebook resumes a snapshot next to the open notebook', async ({
     page
   }) => {
-    await page.notebook.createNew('demo.ipynb', { kernel: 'python3' });
+    await page.notebook.createNew('opennew.ipynb', { kernel: 'python3' });
     const kernelId = await currentKernelId(page);
     await openHistory(page);
     await page
@@ -112,12 +112,12 @@ test.describe('Resume @mocked', () => {
       .locator('#infinijup-history .jp-Infinijup-details')
       .getByRole('button', { name: 'Open in new notebook' })
       .click();
-    const copy = `demo-${short('m2')}.ipynb`;
+    const copy = `opennew-${short('m2')}.ipynb`;
     await expect(
       toasts(page).filter({ hasText: `Opened ${short('m2')} in ${copy}` })
     ).toBeVisible();
     expect(backend.bodies.resume).toEqual([
-      { path: 'demo.ipynb', commit: hex('m2'), new_notebook: true }
+      { path: 'opennew.ipynb', commit: hex('m2'), new_notebook: true }
     ]);
     // A new tab with the copy, on the kernel the server started for it; the
     // first notebook keeps its kernel.
@@ -128,6 +128,6 @@ test.describe('Resume @mocked', () => {
     const started = sessions.find((s: any) => s.path === copy)?.kernel.id;
     expect(started).toBeTruthy();
     await expect.poll(() => kernelIdOf(page, copy)).toBe(started);
-    expect(await kernelIdOf(page, 'demo.ipynb')).toBe(kernelId);
+    expect(await kernelIdOf(page, 'opennew.ipynb')).toBe(kernelId);
   });
 });
