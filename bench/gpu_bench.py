@@ -226,8 +226,9 @@ def _reply_after(kc, msg_id: str, timeout: float = 600) -> None:
 
 
 # Helper phases during which the kernel is held: its CUDA work locked (cuda_checkpoint), or
-# past the CRIU dump with its GPU state still checkpointed.
-HELD_PHASES = ("cuda_checkpoint", "verify", "publish", "cuda_resume", "store")
+# past the CRIU dump with its GPU state still checkpointed. Not "store": the kernel runs again
+# while the store ingests, so a cell sent then measures nothing of the pause.
+HELD_PHASES = ("cuda_checkpoint", "verify", "publish", "cuda_resume")
 NEXT_CELL = "torch.cuda.synchronize(); next_cell = 1"
 
 
@@ -251,6 +252,7 @@ def snapshot_with_next_cell(server, kernel, kernel_id: str, message: str,
         _, st = server.request("GET", f"/infinijup/status?kernel_id={kernel_id}")
         op = st.get("operation")
         if op is not None and op["phase"] in HELD_PHASES:
+            out["next_cell_sent_in"] = op["phase"]
             break
         time.sleep(0.005)
     _reply_after(kernel.kc, kernel.kc.execute(next_cell, store_history=False))
@@ -318,6 +320,7 @@ def llama_row(name: str, work: str, hot_tier_bytes: int | None, shm: Path) -> di
         stats = body["stats"]
         release = stats.get("gpu_release") or {}
         row.update(next_cell_s=snap["next_cell_s"], durable_s=snap["durable_s"],
+                   next_cell_sent_in=snap.get("next_cell_sent_in", "(not while held)"),
                    pause_s=stats["pause_s"], quiesce_s=stats["quiesce_s"],
                    running_again_s=stats.get("running_again_s"), ingest_s=stats.get("store_s"),
                    image_gb=stats["image_bytes"] / GB, stored_gb=stats["stored_bytes"] / GB,
