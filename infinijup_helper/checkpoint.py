@@ -138,6 +138,19 @@ def kill_aborted_restore(registry: Registry, recorded: int | None) -> None:
             os.close(fd)
 
 
+PF_EXITING = 0x4
+
+
+def _exiting(pid: int) -> bool:
+    """The task is in do_exit (not yet a zombie: its pidfd does not tell yet)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return True
+    return bool(int(fields[6]) & PF_EXITING) or fields[0] in (b"Z", b"X")
+
+
 def _comm(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/comm") as f:
@@ -232,9 +245,18 @@ class CriuDump(StageBase):
                 raise RequestError("no_such_process",
                                    f"the tree of {job.pid} exited while it was being dumped")
 
+        def tree_lives() -> None:
+            # A PID namespace's init killed while CRIU holds its children deadlocks with CRIU
+            # (the init waits for a traced zombie, CRIU for the init to trap): stop CRIU as
+            # soon as the tree is going, rather than at its deadline.
+            if not job.tree.alive() or _exiting(job.pid):
+                raise RequestError("no_such_process",
+                                   f"the tree of {job.pid} exited while it was being dumped")
+
         with self.criu.locks.hold(job.lock_key):
             self.criu.dump(job.pid, job.staging.fd, leave_running=job.leave_running,
-                           run_as=job.run_as, deadline_s=job.deadline_s, on_notify=still_ours)
+                           run_as=job.run_as, deadline_s=job.deadline_s, on_notify=still_ours,
+                           watch=tree_lives)
 
 
 class VerifyDumpedCreds(StageBase):

@@ -239,7 +239,8 @@ class Criu:
         return resp
 
     def dump(self, pid: int, images_fd: int, *, leave_running: bool, run_as: RunAs | None,
-             deadline_s: float, on_notify: Notify | None = None) -> None:
+             deadline_s: float, on_notify: Notify | None = None,
+             watch: Callable[[], None] | None = None) -> None:
         """Dump the tree rooted at ``pid``. On failure CRIU resumes the tree."""
 
         def configure(opts: Any) -> None:
@@ -254,7 +255,7 @@ class Criu:
             opts.file_locks = True
 
         self._request("dump", images_fd, DUMP_LOG, configure, run_as=run_as,
-                      deadline_s=deadline_s, on_notify=on_notify)
+                      deadline_s=deadline_s, on_notify=on_notify, watch=watch)
 
     def restore(self, images_fd: int, *, run_as: RunAs | None, deadline_s: float,
                 on_notify: Notify | None = None, watch: Callable[[], None] | None = None,

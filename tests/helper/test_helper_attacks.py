@@ -211,7 +211,7 @@ def test_a_users_own_namespace_init_is_not_a_tree(account) -> None:
     from infinijup.engine.orphans import tree_root_of
 
     ns_init = _user_process(account, ["unshare", "--user", "--map-root-user", "--pid",
-                                      "--fork", "sleep", "600"])
+                                      "--fork", "--kill-child", "sleep", "600"])
     fake_dir = Path(account.work) / f"x-{secrets.token_hex(3)}" / "infinijup_helper"
     fake_dir.mkdir(parents=True)
     (fake_dir / "nsinit.py").write_text("import time\ntime.sleep(600)\n")
@@ -867,3 +867,48 @@ def _reap_orphan(pid: int) -> None:
     """A tree whose helper died was reparented to init (or to us, a subreaper): wait until
     its pid is free."""
     wait_for(lambda: not os.path.exists(f"/proc/{pid}"), what=f"{pid} to be reaped")
+
+
+@pytest.mark.timeout(900)  # a hang guard for a busy 2-core machine
+def test_dumps_racing_the_trees_death(helper, other_account) -> None:
+    """Attack 3's race, as the user can run it: they kill their own tree's init (it runs as
+    them) while the helper dumps it, 60 times, at a different point each time. Whatever CRIU
+    meets, the dump either succeeds with images of that tree only (the caller's credentials)
+    or fails cleanly; no image dir is left half-made, the registry forgets the dead trees, and
+    nothing of the user's is left running."""
+    import threading
+
+    import pycriu
+
+    from infinijup.helper_client import HelperClient
+
+    client = HelperClient(helper.socket_path, timeout=300)
+    work = as_user(other_account, client.work_dir)["value"]
+    argv = [SYSTEM_PYTHON, "-c", "import time; time.sleep(600)"]
+    env = {"PATH": "/usr/bin:/bin"}
+    outcomes: dict[str, int] = {}
+    for i in range(60):
+        got = as_user(other_account, lambda i=i: client.spawn(argv, env, work, f"{work}/r{i}.log"))
+        root = got["value"]
+        images = f"{work}/race-{i}"
+        result: dict[str, Any] = {}
+        dumper = threading.Thread(target=lambda im=images, r=root, out=result: out.update(
+            as_user(other_account, lambda: client.dump(r, im).image_bytes)))
+        dumper.start()
+        spin = (i % 20) * 30000  # a different point of the dump each time (outcome-neutral)
+        as_user(other_account, lambda r=root, n=spin: (sum(range(n)), os.kill(r, 9)))
+        dumper.join()
+        outcome = result.get("error", "ok")
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        assert outcome in ("ok", "no_such_process", "criu_failed"), result
+        if outcome == "ok":
+            for core in Path(images).glob("core-*.img"):
+                creds = pycriu.images.load(open(core, "rb"))["entries"][0]["thread_core"]["creds"]
+                assert creds["uid"] == creds["euid"] == other_account.pw_uid
+            shutil.rmtree(images)
+        else:
+            assert not os.path.exists(images)
+    wait_for(lambda: as_user(other_account, lambda: client.trees())["value"] == [],
+             what="the registry to forget the dead trees")
+    wait_for(lambda: not _processes_of(other_account.pw_uid), what="nothing left running")
+    print("dump vs death:", outcomes)
