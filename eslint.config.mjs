@@ -11,6 +11,8 @@ export default tseslint.config(
       'coverage',
       'infinijup/labextension',
       '.venv',
+      '.carry',
+      '.whl',
       'ui-tests',
       '**/*.d.ts',
       '*.js',
