@@ -94,9 +94,9 @@ def test_failed_suspend_resumes_what_was_suspended(monkeypatch):
     from infinijup_helper.stages import StageBase, run_stages
 
     fake = FakeDriver(fail_pid=3)
-    monkeypatch.setattr(cuda_stage, "cuda_pids", lambda root: [1, 2, 3])
+    monkeypatch.setattr(cuda_stage, "cuda_pids", lambda root, owner=None: [1, 2, 3])
     monkeypatch.setattr(cuda_stage, "read_nvml", lambda: report(GpuProcess(1, "GPU-0", 1)))
-    monkeypatch.setattr(cuda_stage, "tree_pids", lambda root: [1, 2, 3])
+    monkeypatch.setattr(cuda_stage, "tree_pids", lambda root, owner=None: [1, 2, 3])
     monkeypatch.setattr(cuda_stage.driver, "suspend", fake.suspend)
     monkeypatch.setattr(cuda_stage.driver, "resume", fake.resume)
     stage = cuda_stage.CudaSuspend(1)
