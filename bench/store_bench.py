@@ -4,12 +4,14 @@
         [--baseline GIT_REF | --baseline-dir DIR] [--chunkers pagecdc,fastcdc,fixed]
         [--images synthetic,criu,python-like,gpu-like,random] [--skip-one-core] [--no-dedup]
 
-Measures, side by side in one process (medians of --runs runs, interleaved):
+Measures, side by side in one process (medians of --runs runs, interleaved; with a
+baseline, the two versions alternate which goes first):
 
 * ingest throughput of a synthetic page image and of a real CRIU image of a Python process
   (needs root and CRIU; skipped otherwise), on 1 core (pinned) and with the store's default
   threads ("all cores": one per core, at most 8), against ``cat IMAGE > FILE && sync FILE``
-  on the same disk; ``--images`` adds images that need no CRIU: ``python-like`` (the CRIU
+  on the same disk, and the process's CPU seconds per GiB ingested (all threads; less
+  disturbed than wall time when other work shares the cores); ``--images`` adds images that need no CRIU: ``python-like`` (the CRIU
   holder's data written directly: 45% random float64, 30% int64 pattern, 25% pickled
   dicts), ``gpu-like`` (75% bf16 weights ~ N(0, 0.02), 25% zero pages in 32 MiB regions) and
   ``random`` (incompressible bytes);
@@ -332,18 +334,19 @@ def baseline_store(ref: str, into: Path) -> type:
 
 
 def ingest(store: Path, params: ChunkerParams, image: Path, one_core: bool,
-           repo_cls: type = Repository) -> tuple[float, Repository, str]:
+           repo_cls: type = Repository) -> tuple[float, float, Repository, str]:
+    """(wall seconds, CPU seconds of the whole process, repo, commit id) of one ingest."""
     repo = repo_cls.init(store, chunker=params)
     all_cpus = os.sched_getaffinity(0)
     if one_core:
         os.sched_setaffinity(0, {min(all_cpus)})
     try:
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         c = repo.commit_dir(image, thread="bench", threads=1 if one_core else None)
-        dt = time.perf_counter() - t
+        dt, dcpu = time.perf_counter() - t, time.process_time() - cpu
     finally:
         os.sched_setaffinity(0, all_cpus)
-    return dt, repo, c.id
+    return dt, dcpu, repo, c.id
 
 
 def second_snapshots(store: Path, params: ChunkerParams, variants: dict[str, Path],
@@ -439,23 +442,30 @@ def main() -> int:
                 images[kind] = other_image(root, kind, args.size_mib)
         modes = ("all cores",) if args.skip_one_core else ("1 core", "all cores")
         ingest_t: dict[tuple[str, str, str, str], list[float]] = defaultdict(list)
+        cpu_t: dict[tuple[str, str, str, str], list[float]] = defaultdict(list)
         cat_t: dict[str, list[float]] = defaultdict(list)
         copy_t: dict[str, list[float]] = defaultdict(list)
         checkout_t: dict[tuple[str, str, str], list[float]] = defaultdict(list)
         dedup: dict[tuple[str, str, str], dict[str, float]] = {}
         stored: dict[tuple[str, str, str], float] = {}
         for run in range(args.runs):
+            print(f"run {run + 1}/{args.runs} ({time.time() - t0:.0f} s)", file=sys.stderr,
+                  flush=True)
             for img, variants in images.items():
                 base = variants["base"]
                 cat_t[img].append(cat_write(base, root / "cat.out"))
                 copy_t[img].append(cat_copy(base, root / "cat.out"))
                 for cname, params in chunkers.items():
                     for cores in modes:
-                        for version, repo_cls in versions.items():
+                        order = list(versions.items())
+                        if run % 2:  # alternate which version goes first
+                            order.reverse()
+                        for version, repo_cls in order:
                             store = root / "store"
-                            dt, repo, cid = ingest(store, params, base, cores == "1 core",
-                                                   repo_cls)
+                            dt, cpu, repo, cid = ingest(store, params, base,
+                                                        cores == "1 core", repo_cls)
                             ingest_t[(img, cname, cores, version)].append(dt)
+                            cpu_t[(img, cname, cores, version)].append(cpu)
                             stats = repo.get_commit(cid).stats
                             stored[(img, cname, version)] = (stats["stored_bytes"]
                                                              / stats["image_bytes"])
@@ -481,13 +491,14 @@ def main() -> int:
         vcol = "version | " if compare else ""
         vsep = "---|" if compare else ""
         print(f"| image | chunker | cores | {vcol}ingest MB/s | cat+sync MB/s | ratio to cat "
-              "| stored |")
-        print(f"|---|---|---|{vsep}---:|---:|---:|---:|")
+              "| CPU s per GiB | stored |")
+        print(f"|---|---|---|{vsep}---:|---:|---:|---:|---:|")
         for (img, cname, cores, version), ts in ingest_t.items():
             r, c = mb_s(size[img], med(ts)), mb_s(size[img], med(cat_t[img]))
+            cpu = med(cpu_t[(img, cname, cores, version)]) / (size[img] / 2**30)
             v = f"{version} | " if compare else ""
             print(f"| {img} | {cname} | {cores} | {v}{r:.0f} | {c:.0f} | {r / c:.2f} "
-                  f"| {stored[(img, cname, version)]:.1%} |")
+                  f"| {cpu:.2f} | {stored[(img, cname, version)]:.1%} |")
         if dedup:
             print(f"\n| image | chunker | {vcol}1st snapshot stored | +1% pages dirtied "
                   "(scattered) | +1% dirtied (runs of 16 pages) | +1% pages rewritten "
