@@ -173,6 +173,10 @@ class Criu:
                 pass_fds=(theirs.fileno(), images_fd),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
+                # Not the helper's stderr: CRIU may run as the caller, and what it forks (the
+                # restored tree) would keep a writable descriptor on root's log. CRIU logs to
+                # its log file in the images dir.
+                stderr=subprocess.DEVNULL,
                 env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
                 cwd="/",
             )
