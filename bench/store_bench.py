@@ -3,6 +3,7 @@
     sudo .venv/bin/python bench/store_bench.py [--size-mib 2048] [--runs 3] [--dir /var/tmp]
         [--baseline GIT_REF | --baseline-dir DIR] [--chunkers pagecdc,fastcdc,fixed]
         [--images synthetic,criu,python-like,gpu-like,random] [--skip-one-core] [--no-dedup]
+        [--delta-speed-runs N]
 
 Measures, side by side in one process (medians of --runs runs, interleaved; with a
 baseline, the two versions alternate which goes first):
@@ -374,6 +375,29 @@ def second_snapshots(store: Path, params: ChunkerParams, variants: dict[str, Pat
     return row
 
 
+def delta_speed(root: Path, params: ChunkerParams, variants: dict[str, Path], runs: int
+                ) -> dict[tuple[str, bool], list[tuple[float, float]]]:
+    """(wall, CPU) seconds of ingesting and checking out the 1%-scattered second snapshot,
+    with page deltas on and off (this code, both), alternating, ``runs`` times each."""
+    out: dict[tuple[str, bool], list[tuple[float, float]]] = defaultdict(list)
+    for run in range(runs):
+        for deltas in ((True, False) if run % 2 == 0 else (False, True)):
+            store = root / "sstore"
+            repo = Repository.init(store, chunker=params, page_deltas=deltas)
+            repo.commit_dir(variants["base"], thread="m")
+            for what in ("ingest", "checkout"):
+                t, cpu = time.perf_counter(), time.process_time()
+                if what == "ingest":
+                    repo.commit_dir(variants["dirty-scattered"], thread="m")
+                else:
+                    repo.checkout_dir("m", root / "scheckout")
+                out[(what, deltas)].append((time.perf_counter() - t, time.process_time() - cpu))
+            shutil.rmtree(root / "scheckout")
+            repo.close()
+            shutil.rmtree(store)
+    return out
+
+
 def machine() -> str:
     """One line: CPU model, cores, memory, Python and library versions, date."""
     import platform
@@ -407,6 +431,9 @@ def main() -> int:
                     help="comma-separated: synthetic, criu, python-like, gpu-like, random")
     ap.add_argument("--skip-one-core", action="store_true", help="only the default threads")
     ap.add_argument("--no-dedup", action="store_true", help="skip the second-snapshot table")
+    ap.add_argument("--delta-speed-runs", type=int, default=0, metavar="N",
+                    help="also time the 1%%-scattered second snapshot of each dedup image "
+                         "(pagecdc) with page deltas on and off, N runs each")
     args = ap.parse_args()
     wanted = args.images.split(",")
     chunkers = {CHUNKER_KEYS[k]: CHUNKERS[CHUNKER_KEYS[k]] for k in args.chunkers.split(",")}
@@ -533,6 +560,21 @@ def main() -> int:
             r, c = mb_s(size[img], med(ts)), mb_s(size[img], med(copy_t[img]))
             v = f"{version} | " if compare else ""
             print(f"| {img} | {cname} | {v}{r:.0f} | {c:.0f} | {r / c:.2f} |")
+        if args.delta_speed_runs:
+            print(f"\nSecond snapshot after 1% scattered dirty pages (pagecdc, "
+                  f"{args.dedup_mib} MiB), this code with page deltas on and off, "
+                  f"{args.delta_speed_runs} runs alternating, medians; CPU = the process's "
+                  "CPU seconds, all threads:\n")
+            print("| image | page deltas | ingest s | ingest CPU s | checkout s "
+                  "| checkout CPU s |")
+            print("|---|---|---:|---:|---:|---:|")
+            for img, variants in small.items():
+                sp = delta_speed(root, ChunkerParams(), variants, args.delta_speed_runs)
+                for deltas in (False, True):
+                    cells = [f"{med(x[k] for x in sp[(what, deltas)]):.2f}"
+                             for what in ("ingest", "checkout") for k in (0, 1)]
+                    print(f"| {img} | {'on' if deltas else 'off'} | " + " | ".join(cells)
+                          + " |")
         print(f"\n(total benchmark time {time.time() - t0:.0f} s)")
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -38,7 +38,6 @@ if TYPE_CHECKING:
     from .repository import Repository
 
 NEIGHBOURS = 8  # chunks looked at on each side of a new chunk for an unchanged one
-PREFETCH = 32  # parent chunks whose locations are looked up together
 _ZERO_PAGE = bytes(PAGE)
 # When the file has little in common with its parent, trying costs reads for nothing: after
 # TRIAL attempts, if fewer than 1 in HIT_RATE succeed, only every SPARSE-th chunk is tried.
@@ -205,17 +204,11 @@ class BaseMap:
         return self._locs[cid]
 
     def _length(self, j: int) -> int:
-        """Raw length of parent chunk ``j``; looks up its neighbours along with it (new
-        chunks come in clusters, and one query for many ids costs about what one costs)."""
-        cid = self.ids[j]
-        if cid not in self._locs:
-            window = self.ids[max(j - PREFETCH // 4, 0) : j + PREFETCH]
-            found = self.repo.index.lookup_many(window)
-            for c in window:
-                self._locs.setdefault(c, found.get(c))
-        loc = self._locs[cid]
+        """Raw length of parent chunk ``j`` (looked up once: one indexed query, ~20 us;
+        a query for many ids costs more than the few a new chunk needs)."""
+        loc = self._loc(self.ids[j])
         if loc is None:
-            raise StoreError(f"parent chunk {cid.hex()} is not indexed")
+            raise StoreError(f"parent chunk {self.ids[j].hex()} is not indexed")
         return loc.raw_length
 
     def _place(self, cid: bytes, pos: int) -> PagePlace | None:
