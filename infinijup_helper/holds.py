@@ -9,10 +9,10 @@ exactly where the operation is, instead of guessing from a delay.
 The points (KIND is ``dump`` or ``restore``):
 
 * ``criu_KIND_request``: CRIU runs, its request is not sent yet;
-* ``criu_KIND_ACTION``: inside CRIU, at its own notifications (asked for only while such a
-  point is armed): ``pre-dump``, ``query-ext-files`` (the tree frozen, nothing dumped yet),
-  ``post-dump`` (dumped, still frozen); ``pre-restore``, ``post-restore`` (the tree created, not
-  yet resumed), ``pre-resume``, ``post-resume``;
+* ``criu_KIND_ACTION``: inside CRIU, at its own notifications (criu.py answers each):
+  ``pre-dump``, ``query-ext-files`` (the tree frozen, nothing dumped yet), ``post-dump``
+  (dumped, still frozen); ``pre-restore``, ``post-restore`` (the tree created, not yet
+  resumed), ``pre-resume``, ``post-resume``;
 * ``criu_KIND_response``: CRIU has answered, the helper has not acted on the answer yet.
 """
 
@@ -29,20 +29,6 @@ POLL_S = 0.005
 
 def _dir() -> str | None:
     return os.environ.get(ENV) or None
-
-
-CRIU_ACTIONS = {
-    "dump": ("pre-dump", "query-ext-files", "post-dump"),
-    "restore": ("pre-restore", "post-restore", "pre-resume", "post-resume"),
-}
-
-
-def criu_notifications_wanted(kind: str) -> bool:
-    """Whether a point inside CRIU (``criu_KIND_ACTION``) is armed now."""
-    directory = _dir()
-    return directory is not None and any(
-        os.path.exists(os.path.join(directory, f"criu_{kind}_{action}"))
-        for action in CRIU_ACTIONS[kind])
 
 
 def hold(name: str, **details: Any) -> None:
