@@ -428,7 +428,10 @@ while True:
 
 def snapshot_of(path: str) -> tuple[Any, ...]:
     """What must not change about a file: bytes, owner, group, mode, inode."""
-    st = os.lstat(path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return ("missing",)
     data = b""
     if stat.S_ISREG(st.st_mode):
         data = hashlib.sha256(Path(path).read_bytes()).digest()

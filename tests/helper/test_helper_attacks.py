@@ -15,7 +15,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -302,16 +301,12 @@ def _root_process_at(pid: int) -> subprocess.Popen:
 
 
 FLIPPER = r"""
-import os, sys, time
-link, real, target = sys.argv[1], sys.argv[2], sys.argv[3]
+import ctypes, os, sys
+a, b = sys.argv[1], sys.argv[2]   # a directory and a symlink, swapped in place for ever
+libc = ctypes.CDLL(None, use_errno=True)
+RENAME_EXCHANGE, AT_FDCWD = 2, -100
 while True:
-    try:
-        os.rename(real, link)            # a directory at the name
-        os.symlink(target, real)
-        os.rename(real, link)            # now a symlink at the name
-        os.mkdir(real)
-    except OSError:
-        time.sleep(0)
+    libc.syscall(316, AT_FDCWD, a.encode(), AT_FDCWD, b.encode(), RENAME_EXCHANGE)
 """
 
 
@@ -319,49 +314,61 @@ while True:
                     reason="no user namespaces on this kernel")
 def test_release_through_a_mount_namespace_and_a_flipping_symlink(helper, account, root_dir):
     """Attack 2: the user's own mount namespace (unshare -Urm) with / bound under their work
-    dir, and a component of the released path flipping between a directory and a symlink into
-    /proc/<their pid>/root/... while release requests repeat (300 tries). Paths are resolved
-    beneath the work dir with openat2 (no symlinks, no magic links, no mount crossings), so
-    root's file and directory stay."""
+    dir, and a component of the released path that is a symlink into /proc/<their pid>/root/...
+    (where root's directory shows up inside their work dir): first held still (100 requests,
+    each refused), then swapped with a look-alike real directory in a loop (renameat2
+    RENAME_EXCHANGE) while 300 more release requests race it. Paths are resolved beneath the work dir with
+    openat2 (no symlinks, no magic links, no mount crossings), so root's file and directory
+    stay whatever the race does."""
     work = Path(account.work)
     bound = work / f"bound-{secrets.token_hex(3)}"
     bound.mkdir()
     account.own(bound)
     keeper = subprocess.Popen(
         user_argv(account.user, ["unshare", "--user", "--map-root-user", "--mount",
-                                 "--propagation", "private", "sh", "-c",
+                                 "--propagation", "private", "--kill-child", "sh", "-c",
                                  f"mount --rbind / {bound} && echo bound && exec sleep 600"]),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert keeper.stdout.readline().strip() == "bound", "unshare -Urm failed"
     (root_dir / "tree" / "sub").mkdir(parents=True)
     (root_dir / "tree" / "sub" / "file").write_text("root's\n")
     before = {p: snapshot_of(str(root_dir / p)) for p in ("passwd", "tree", "tree/sub/file")}
-    through = f"/proc/{keeper.pid}/root{bound}{root_dir}"
+    inner = [c for c in _children(keeper.pid)] or [keeper.pid]
+    through = f"/proc/{inner[-1]}/root{bound}{root_dir}"
+    assert as_user(account.user, lambda: os.path.exists(f"{through}/passwd")) == {"value": True}
     tag = secrets.token_hex(3)
-    flip_name, flip_real = work / f"a-{tag}", work / f"a-{tag}.real"
-    flip_real.mkdir()
-    account.own(flip_real)
+    name, other = work / f"a-{tag}", work / f"a-{tag}.swap"
+    name.symlink_to(through)
+    (other / "tree" / "sub").mkdir(parents=True)  # the directory side looks alike
+    for p in (name, other, other / "tree", other / "tree" / "sub"):
+        account.own(p)
     script = work / "flipper.py"
     script.write_text(FLIPPER)
     account.own(script)
-    flipper = subprocess.Popen(user_argv(account.user, [SYSTEM_PYTHON, str(script),
-                                                        str(flip_name), str(flip_real),
-                                                        through]))
     outcomes: dict[str, int] = {}
+
+    def release(i: int) -> str:
+        # the flipping component is never the last one: it is crossed, not opened
+        target = name / ("tree/sub/file", "tree/sub")[i % 2]
+        result = account.call(lambda: account.client.release(str(target)))
+        assert result.get("error", "ok") in ("ok", "bad_path"), result
+        return result.get("error", "ok")
+
+    for i in range(100):  # the symlink held still: refused every time
+        assert release(i) == "bad_path"
+    flipper = subprocess.Popen(user_argv(account.user, [SYSTEM_PYTHON, str(script), str(name),
+                                                        str(other)]))
     try:
         for i in range(300):
-            name = ("passwd", "tree")[i % 2]
-            result = account.call(lambda n=name: account.client.release(str(flip_name / n)))
-            key = result.get("error", "ok")
+            key = release(i)
             outcomes[key] = outcomes.get(key, 0) + 1
-            assert key in ("ok", "bad_path"), result
     finally:
         flipper.kill()
         flipper.wait()
         keeper.kill()
         keeper.wait()
-    assert {p: snapshot_of(str(root_dir / p)) for p in before} == before
-    assert outcomes.get("bad_path", 0) > 0, outcomes  # the symlink was met, and refused
+    assert {p: snapshot_of(str(root_dir / p)) for p in before} == before, outcomes
+    print("release race:", outcomes)
 
 
 # --- denial of service ----------------------------------------------------------------------------
@@ -398,34 +405,40 @@ def test_idle_connections_of_one_user_do_not_lock_out_others(strict_helper, othe
     r, w = os.pipe()
     go_r, go_w = os.pipe()
     pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        os.close(go_w)
-        os.setgroups([])
-        os.setgid(other_account.pw_gid)
-        os.setuid(other_account.pw_uid)
-        held, refused = [], 0
-        for _ in range(200):
-            s = _raw_connect(strict_helper.socket_path)
-            s.settimeout(0.5)
-            try:
-                data = s.recv(4096)
-            except (TimeoutError, BlockingIOError):
-                data = b""
-            if b'"busy"' in data:
-                refused += 1
-                s.close()
-            else:
-                held.append(s)
-        os.write(w, json.dumps({"held": len(held), "refused": refused}).encode())
-        os.close(w)
-        os.read(go_r, 1)  # hold them until the parent has checked
-        os._exit(0)
+    if pid == 0:  # never returns into pytest, whatever happens
+        try:
+            os.close(r)
+            os.close(go_w)
+            os.setgroups([])
+            os.setgid(other_account.pw_gid)
+            os.setuid(other_account.pw_uid)
+            held, refused, odd = [], 0, []
+            for _ in range(200):
+                s = _raw_connect(strict_helper.socket_path)
+                # a refused connection is answered "busy" (and closed) whatever it sends; an
+                # accepted one answers hello: which one it was never depends on timing
+                try:
+                    s.sendall(b'{"v":1,"id":1,"op":"hello"}\n')
+                except OSError:
+                    pass  # refused and closed already: its "busy" is there to read
+                data = s.makefile("rb").readline()
+                if b'"busy"' in data:
+                    refused += 1
+                    s.close()
+                elif b'"ok":true' in data:
+                    held.append(s)
+                else:
+                    odd.append(data.decode(errors="replace"))
+            os.write(w, json.dumps({"held": len(held), "refused": refused, "odd": odd}).encode())
+            os.close(w)
+            os.read(go_r, 1)  # hold them until the parent has checked
+        finally:
+            os._exit(0)
     os.close(w)
     os.close(go_r)
     try:
         counts = json.loads(os.read(r, 4096))
-        assert counts == {"held": 8, "refused": 192}, counts
+        assert counts == {"held": 8, "refused": 192, "odd": []}, counts
         assert HelperClient(strict_helper.socket_path, timeout=30).hello().uid == 0
         # a trickled request: one byte, then nothing
         s = _raw_connect(strict_helper.socket_path)
@@ -442,7 +455,51 @@ def test_idle_connections_of_one_user_do_not_lock_out_others(strict_helper, othe
     assert as_user(other_account, lambda: other.hello().uid) == {"value": other_account.pw_uid}
 
 
-def test_tree_and_operation_limits_per_user(strict_helper, other_account) -> None:
+def test_operations_per_user_are_limited(other_account) -> None:
+    """A user runs at most their share of operations at once (2 here): with two of their
+    dumps under way (held at a hold point), a third operation gets ``busy``, naming the
+    limit; root is served meanwhile; once they finish, the user is served again."""
+    import threading
+
+    from infinijup.helper_client import HelperClient
+
+    daemon, holds = _helper_with_holds("--max-ops-per-user", "2")
+    try:
+        client = HelperClient(daemon.socket_path, timeout=300)
+        work = as_user(other_account, client.work_dir)["value"]
+        argv = [SYSTEM_PYTHON, "-c", "import time; time.sleep(600)"]
+        env = {"PATH": "/usr/bin:/bin"}
+        roots = [as_user(other_account, lambda i=i: client.spawn(argv, env, work,
+                                                                 f"{work}/o{i}.log"))["value"]
+                 for i in range(3)]
+        (holds / "criu_dump_request").touch()
+        results: list[Any] = []
+        dumpers = [threading.Thread(target=lambda r=r: results.append(as_user(
+            other_account, lambda: client.dump(r, f"{work}/ops-{r}").image_bytes)))
+            for r in roots[:2]]
+        for t in dumpers:
+            t.start()
+        staging = Path(daemon.work_dir) / ".staging"
+        wait_for(lambda: len([e for e in os.listdir(staging) if e.startswith("dump-")]) == 2,
+                 what="both dumps to be under way")  # each holds its slot until it ends
+        third = as_user(other_account, lambda: client.dump(roots[2], f"{work}/ops-third"))
+        assert third.get("error") == "busy" and "2 operations" in third["message"], third
+        assert HelperClient(daemon.socket_path, timeout=30).hello().uid == 0
+        (holds / "criu_dump_request").unlink()
+        for t in dumpers:
+            t.join()
+        assert all("value" in r for r in results), results
+        assert "value" in as_user(other_account, lambda: client.dump(roots[2],
+                                                                     f"{work}/ops-after"))
+        for r in roots:
+            as_user(other_account, lambda r=r: client.kill(r))
+    finally:
+        daemon.stop()
+        shutil.rmtree(daemon.base, ignore_errors=True)
+        shutil.rmtree(holds.parent, ignore_errors=True)
+
+
+def test_tree_limits_per_user(strict_helper, other_account) -> None:
     """A user cannot start more kernel trees than their share (3 here): the next spawn is
     refused with ``limit_reached``; root is not limited."""
     from infinijup.helper_client import HelperClient
@@ -470,39 +527,28 @@ def test_tree_and_operation_limits_per_user(strict_helper, other_account) -> Non
             as_user(other_account, lambda pid=pid: client.kill(pid))
 
 
-def _stop_criu_of(uid: int, found: dict[str, int], done: Any) -> None:
-    """Stop (SIGSTOP, as that user: it runs with their uid) the first CRIU of ``uid`` seen."""
-    while not done.is_set():
-        for pid in os.listdir("/proc"):
-            if not pid.isdigit():
-                continue
-            try:
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                if os.stat(f"/proc/{pid}").st_uid == uid and argv[0].endswith(b"criu") \
-                        and argv[1:2] == [b"swrk"]:
-                    user = pwd_of(uid)
-                    subprocess.run(user_argv(user, ["kill", "-STOP", pid]), check=True)
-                    found["criu"] = int(pid)
-                    return
-            except (OSError, IndexError):
-                continue
-        time.sleep(0.001)
+def _helper_with_holds(*args: str) -> tuple[HelperDaemon, Path]:
+    """A helper of its own with hold points (infinijup_helper/holds.py) armed by the test."""
+    holds = make_base() / "holds"
+    holds.mkdir()
+    daemon = HelperDaemon(make_base(), extra_args=args,
+                          extra_env={"INFINIJUP_HELPER_HOLDS": str(holds)})
+    daemon.start()
+    return daemon, holds
 
 
-def pwd_of(uid: int) -> Any:
-    import pwd
-
-    return pwd.getpwuid(uid)
-
-
-def _stalled_dump(helper_socket: str, user: Any) -> tuple[Any, int, str, dict, Any]:
-    """The user's tree, and a dump of it whose CRIU the user stopped; returns (thread, tree,
-    work, results, client) once that CRIU is stopped."""
+def _stalled_dump(daemon: HelperDaemon, holds: Path, user: Any) -> tuple[Any, int, str, dict,
+                                                                         Any]:
+    """The user's tree, and a dump of it whose CRIU the user has stopped (SIGSTOP, as the
+    user: it runs with their uid). Waits at the hold point ``criu_dump_request`` (CRIU started,
+    nothing asked of it yet), so the stop lands before CRIU does anything, every time.
+    Returns (dump thread, tree, work dir, results, client)."""
+    import json
     import threading
 
     from infinijup.helper_client import HelperClient
 
-    client = HelperClient(helper_socket, timeout=600)
+    client = HelperClient(daemon.socket_path, timeout=600)
     work = as_user(user, client.work_dir)["value"]
     got = as_user(user, lambda: client.spawn(
         [SYSTEM_PYTHON, "-c", "import time; time.sleep(600)"], {"PATH": "/usr/bin:/bin"}, work,
@@ -510,56 +556,72 @@ def _stalled_dump(helper_socket: str, user: Any) -> tuple[Any, int, str, dict, A
     assert "value" in got, got
     tree = got["value"]
     results: dict[str, Any] = {}
-    done = threading.Event()
-    stopper = threading.Thread(target=_stop_criu_of, args=(user.pw_uid, results, done))
-    stopper.start()
+    (holds / "criu_dump_request").touch()
 
     def dump() -> None:
         results["dump"] = as_user(user, lambda: client.dump(tree, f"{work}/stalled"))
-        done.set()
 
     dumper = threading.Thread(target=dump)
     dumper.start()
-    stopper.join()
+    reached = holds / "criu_dump_request.reached"
+    wait_for(reached.exists, what="CRIU to start")
+    criu = json.loads(reached.read_text())["criu_pid"]
+    wait_for(lambda: Path(f"/proc/{criu}/status").read_text().split("Uid:")[1].split()[0]
+             == str(user.pw_uid), what="CRIU to run as the user")
+    subprocess.run(user_argv(user, ["kill", "-STOP", str(criu)]), check=True)
+    results["criu"] = criu
+    (holds / "criu_dump_request").unlink()
     return dumper, tree, work, results, client
 
 
-def test_a_stalled_criu_holds_nobody_else(helper, client, trees, other_account) -> None:
+def test_a_stalled_criu_holds_nobody_else(trees, other_account) -> None:
     """Attack 4: the user's CRIU stalls (here the user stops it with SIGSTOP: it runs as them)
     and stays stalled while another user's snapshot runs to completion (no helper-wide CRIU
     lock left to hold them). Then it is killed, and that dump fails cleanly."""
-    dumper, tree, work, results, other = _stalled_dump(helper.socket_path, other_account)
-    assert "criu" in results, results
+    from infinijup.helper_client import HelperClient
+
+    daemon, holds = _helper_with_holds()
     try:
-        root_work = client.work_dir()
-        mine = trees.add(client.spawn([PYTHON, "-c", "import time; time.sleep(600)"],
-                                      kernel_env(), root_work, f"{root_work}/nolock.log"))
-        done = client.dump(mine, f"{root_work}/while-stalled-{secrets.token_hex(3)}")
-        assert done.image_bytes > 0
-        assert dumper.is_alive()  # the stalled dump is still stalled: it never released CRIU
+        dumper, tree, work, results, other = _stalled_dump(daemon, holds, other_account)
+        try:
+            root = HelperClient(daemon.socket_path, timeout=300)
+            root_work = root.work_dir()
+            mine = trees.add(root.spawn([PYTHON, "-c", "import time; time.sleep(600)"],
+                                        kernel_env(), root_work, f"{root_work}/nolock.log"))
+            done = root.dump(mine, f"{root_work}/while-stalled-{secrets.token_hex(3)}")
+            assert done.image_bytes > 0
+            assert dumper.is_alive()  # the stalled dump is still stalled: it holds nothing
+        finally:
+            os.kill(results["criu"], signal.SIGKILL)
+            dumper.join()
+        assert results["dump"].get("error") == "criu_failed", results["dump"]
+        assert not os.path.exists(f"{work}/stalled")
+        assert as_user(other_account, lambda: other.status(tree).alive) == {"value": True}
+        as_user(other_account, lambda: other.kill(tree))
     finally:
-        os.kill(results["criu"], signal.SIGKILL)
-        dumper.join()
-    assert results["dump"].get("error") == "criu_failed", results["dump"]
-    assert not os.path.exists(f"{work}/stalled")
-    assert as_user(other_account, lambda: other.status(tree).alive) == {"value": True}
-    as_user(other_account, lambda: other.kill(tree))
+        daemon.stop()
+        shutil.rmtree(daemon.base, ignore_errors=True)
+        shutil.rmtree(holds.parent, ignore_errors=True)
 
 
-def test_a_stalled_criu_is_stopped_at_its_deadline(strict_helper, other_account) -> None:
+def test_a_stalled_criu_is_stopped_at_its_deadline(other_account) -> None:
     """The CRIU watchdog: a stalled CRIU that nobody kills is killed at its deadline (5 s plus
     a second per 16 MiB here), and the dump fails with a clear ``criu_failed``; the user's
     tree is left running."""
-    dumper, tree, work, results, client = _stalled_dump(strict_helper.socket_path,
-                                                        other_account)
-    dumper.join()
-    assert "criu" in results, results
-    assert results["dump"].get("error") == "criu_failed", results["dump"]
-    assert "did not finish within" in results["dump"]["message"], results["dump"]
-    assert not os.path.exists(f"/proc/{results['criu']}")  # killed
-    assert not os.path.exists(f"{work}/stalled")
-    assert as_user(other_account, lambda: client.status(tree).alive) == {"value": True}
-    as_user(other_account, lambda: client.kill(tree))
+    daemon, holds = _helper_with_holds("--criu-timeout", "5")
+    try:
+        dumper, tree, work, results, client = _stalled_dump(daemon, holds, other_account)
+        dumper.join()
+        assert results["dump"].get("error") == "criu_failed", results["dump"]
+        assert "did not finish within" in results["dump"]["message"], results["dump"]
+        assert not os.path.exists(f"/proc/{results['criu']}")  # killed
+        assert not os.path.exists(f"{work}/stalled")
+        assert as_user(other_account, lambda: client.status(tree).alive) == {"value": True}
+        as_user(other_account, lambda: client.kill(tree))
+    finally:
+        daemon.stop()
+        shutil.rmtree(daemon.base, ignore_errors=True)
+        shutil.rmtree(holds.parent, ignore_errors=True)
 
 
 def test_criu_runs_as_the_caller() -> None:
@@ -887,9 +949,11 @@ def test_dumps_racing_the_trees_death(helper, other_account) -> None:
     argv = [SYSTEM_PYTHON, "-c", "import time; time.sleep(600)"]
     env = {"PATH": "/usr/bin:/bin"}
     outcomes: dict[str, int] = {}
+    roots: list[int] = []
     for i in range(60):
         got = as_user(other_account, lambda i=i: client.spawn(argv, env, work, f"{work}/r{i}.log"))
         root = got["value"]
+        roots.append(root)
         images = f"{work}/race-{i}"
         result: dict[str, Any] = {}
         dumper = threading.Thread(target=lambda im=images, r=root, out=result: out.update(
@@ -908,7 +972,8 @@ def test_dumps_racing_the_trees_death(helper, other_account) -> None:
             shutil.rmtree(images)
         else:
             assert not os.path.exists(images)
-    wait_for(lambda: as_user(other_account, lambda: client.trees())["value"] == [],
+    wait_for(lambda: not set(as_user(other_account, client.trees)["value"]) & set(roots),
              what="the registry to forget the dead trees")
-    wait_for(lambda: not _processes_of(other_account.pw_uid), what="nothing left running")
+    wait_for(lambda: not {p.pid for p in _processes_of(other_account.pw_uid)} & set(roots),
+             what="nothing of them left running")
     print("dump vs death:", outcomes)
