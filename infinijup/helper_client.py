@@ -152,7 +152,7 @@ class HelperClient:
     def signal(self, pid: int, signum: int) -> None:
         """Send ``signum`` (SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2 or SIGQUIT) to the tree
         rooted at ``pid``; its init forwards it to the kernel. Use this rather than
-        ``os.kill``: the init runs as root, so the caller cannot signal it directly."""
+        ``os.kill``: root's tree inits run as root, and this works for every caller."""
         self.call("signal", {"pid": pid, "signum": int(signum)})
 
     def release(self, path: str) -> None:
