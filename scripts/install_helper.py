@@ -141,7 +141,25 @@ def main() -> int:
               "HELPER_PREFIX", file=sys.stderr)
         return 2
     print(install(prefix))
+    _warn_if_unreadable()
     return 0
+
+
+def _warn_if_unreadable() -> None:
+    """The helper does not need the checkout, but other accounts' Jupyter servers and kernels
+    do: say so when they cannot read it (a clone under a 0700 home)."""
+    for path in (sys.executable, str(REPO / "infinijup" / "__init__.py")):
+        real = os.path.realpath(path)
+        parts = real.split("/")
+        for i in range(2, len(parts) + 1):
+            st = os.stat("/".join(parts[:i]) or "/")
+            if not st.st_mode & 0o001 and not (i == len(parts) and st.st_mode & 0o004):
+                print(f"note: other accounts cannot reach {real} ({'/'.join(parts[:i])} is "
+                      f"closed to them): their Jupyter servers and kernels cannot run from this "
+                      "checkout; install it where every account can read it (e.g. a clone "
+                      "under /opt or /srv) for them. Root's own server is not affected.",
+                      file=sys.stderr)
+                return
 
 
 if __name__ == "__main__":
