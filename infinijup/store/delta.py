@@ -15,10 +15,13 @@ Encoding (little-endian)::
     b"IJD1" u8 flags u8 0 u16 nsrc u32 nruns u32 literal_length
     nsrc  x 32-byte source chunk id
     nruns x (u16 src, u16 0, u32 length, u32 source_offset)
+    16 bytes: BLAKE3 of all of the above, truncated
     literals: literal_length bytes, raw, or one zstd frame if flags & 1
 
 ``src`` indexes the source list; ``LITERAL`` takes the next bytes of the literals, ``ZEROS``
-is a run of zero bytes. The runs' lengths add up to the chunk's raw length.
+is a run of zero bytes. The runs' lengths add up to the chunk's raw length. The header's own
+checksum makes a damaged header (say, a flipped byte in a source id) read as damage, not as
+a missing source; damaged literals show when the rebuilt chunk is hashed.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from dataclasses import dataclass
 import zstandard
 
 from .errors import CorruptObject
-from .objects import ID_BYTES
+from .objects import ID_BYTES, hash_bytes
 
 MAGIC = b"IJD1"
 HEAD = struct.Struct("<4sBxHII")
@@ -38,6 +41,7 @@ RUN = struct.Struct("<HxxII")
 LITERAL, ZEROS = 0xFFFF, 0xFFFE
 MAX_SOURCES = 0xFFF0
 FLAG_ZSTD = 1
+DIGEST = 16  # bytes of the header checksum
 #: A chunk is stored as a delta only when at most this share of it is literal bytes.
 MAX_LITERAL_SHARE = 0.5
 
@@ -64,7 +68,7 @@ def header_size(payload_prefix: bytes) -> int:
     magic, _flags, nsrc, nruns, _lit = HEAD.unpack_from(payload_prefix)
     if magic != MAGIC:
         raise CorruptObject("delta has a bad magic")
-    return HEAD.size + nsrc * ID_BYTES + nruns * RUN.size
+    return HEAD.size + nsrc * ID_BYTES + nruns * RUN.size + DIGEST
 
 
 def encode(sources: list[bytes], runs: list[Run], literals: bytes, zstd: bool,
@@ -76,8 +80,8 @@ def encode(sources: list[bytes], runs: list[Run], literals: bytes, zstd: bool,
                        literal_length)]
     parts += sources
     parts += [RUN.pack(s, n, o) for s, n, o in runs]
-    parts.append(literals)
-    return b"".join(parts)
+    header = b"".join(parts)
+    return b"".join((header, hash_bytes(header)[:DIGEST], literals))
 
 
 def parse(payload: bytes | memoryview, raw_length: int | None = None) -> Delta:
@@ -90,6 +94,8 @@ def parse(payload: bytes | memoryview, raw_length: int | None = None) -> Delta:
     if len(payload) < need:
         raise CorruptObject("delta header is truncated")
     _magic, flags, nsrc, nruns, lit_len = HEAD.unpack_from(payload)
+    if hash_bytes(payload[: need - DIGEST])[:DIGEST] != bytes(payload[need - DIGEST : need]):
+        raise CorruptObject("delta header checksum mismatch")
     if flags & ~FLAG_ZSTD:
         raise CorruptObject("delta has unknown flags")
     pos = HEAD.size

@@ -286,24 +286,26 @@ def test_damaged_delta_literals_are_named(tmp_path: Path, src: Path) -> None:
 
 
 def test_damaged_delta_header_is_found_without_reading_data(tmp_path: Path, src: Path) -> None:
+    """The header carries its own checksum: a flipped byte in a source id or a run reads as
+    damage of that delta (named with its pack), not as a missing source."""
     repo, first, second, img, _ = delta_store(tmp_path, src)
     oid, loc = next(iter(delta_chunks(repo, second).items()))
-    flip(repo, loc, delta_format.HEAD.size + 5)  # inside the first source id
-    report = repo.check()
-    assert not report.ok
-    assert any(oid.hex() in p and "missing" in p for p in report.problems), report.problems
-    with pytest.raises((ObjectMissing, ChecksumMismatch)) as err:
-        repo.read_object(oid)
-    assert oid.hex() in str(err.value)
-    with pytest.raises(StoreError, match="gc refused"):
-        repo.gc()
-    flip(repo, loc, delta_format.HEAD.size + 5)
-    flip(repo, loc, 1)  # the magic
-    report = repo.check()
-    assert any(oid.hex() in p and "damaged delta" in p for p in report.problems), report.problems
-    with pytest.raises(StoreError, match="gc refused"):
-        repo.gc()
+    for at in (delta_format.HEAD.size + 5, 1, delta_format.HEAD.size + 32 + 2):
+        flip(repo, loc, at)  # a source id, the magic, the first run
+        report = repo.check()  # structure only: headers are read, data is not
+        assert any(oid.hex() in p and loc.pack in p and "damaged delta" in p
+                   for p in report.problems), (at, report.problems)
+        with pytest.raises(ChecksumMismatch) as err:
+            repo.read_object(oid)
+        assert oid.hex() in str(err.value) and loc.pack in str(err.value)
+        with pytest.raises(ChecksumMismatch):
+            repo.checkout_dir(second, tmp_path / f"out-{at}")
+        with pytest.raises(StoreError, match="gc refused"):
+            repo.gc()
+        flip(repo, loc, at)  # repaired
+        assert repo.check().ok
     assert checkout_bytes(repo, first, tmp_path / "out1") == img
+    assert repo.check(read_data=True).ok
 
 
 def test_damaged_or_missing_source(tmp_path: Path, src: Path) -> None:
