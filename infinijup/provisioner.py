@@ -27,9 +27,9 @@ from .process import TrackedProcess
 # Environment a kernel must not inherit: the parent poller would shut a restored kernel down,
 # since its parent is no longer the process that launched it; and the server's (or JupyterHub's)
 # own credentials, which would otherwise sit in every kernel's memory and so in every snapshot
-# (docs/security.md). INFINIJUP_SERVER_TOKEN stays: the magics need it (see there).
+# (docs/security.md). The magics sign with the kernel's message key instead (kernel_auth.py).
 _SCRUBBED_ENV = ("JPY_PARENT_PID", "JUPYTER_TOKEN", "JPY_API_TOKEN", "JUPYTERHUB_API_TOKEN",
-                 "JUPYTER_PASSWORD")
+                 "JUPYTER_PASSWORD", config.SERVER_TOKEN_ENV)
 
 
 class InfinijupProvisioner(LocalProvisioner):

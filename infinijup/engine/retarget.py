@@ -67,6 +67,8 @@ def plan_retarget(saved: dict, target: dict) -> Retarget:
     return Retarget(port_map)
 
 
-def adopt_expression(kernel_id: str) -> str:
-    """The user expression that tells a restored kernel which kernel it now is."""
-    return f"__import__('infinijup.kernel_magics.retarget', fromlist=['_']).adopt({kernel_id!r})"
+def adopt_expression(kernel_id: str, server_url: str, results_dir: str) -> str:
+    """The user expression that tells a restored kernel which kernel it now is, and which server
+    it now belongs to (its URL, the directory its answers land in)."""
+    return (f"__import__('infinijup.kernel_magics.retarget', fromlist=['_'])"
+            f".adopt({kernel_id!r}, {server_url!r}, {results_dir!r})")

@@ -12,6 +12,11 @@ import os
 from .. import config
 
 
-def adopt(kernel_id: str) -> str:
+def adopt(kernel_id: str, server_url: str | None = None, results_dir: str | None = None) -> str:
     os.environ[config.KERNEL_ID_ENV] = kernel_id  # %snapshot names this kernel from now on
+    # resumed by another server (a restart, another port): where to ask, where answers land
+    if server_url:
+        os.environ[config.SERVER_URL_ENV] = server_url
+    if results_dir:
+        os.environ[config.RESULTS_DIR_ENV] = results_dir
     return json.dumps({"kernel_id": kernel_id})

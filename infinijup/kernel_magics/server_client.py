@@ -1,7 +1,9 @@
 """The kernel's way to the Jupyter server's Infinijup routes (for the magics).
 
-The server exports its URL and token into the environment its kernels inherit. Each call is one
-short HTTP request with ``Connection: close``: no connection stays open across a snapshot.
+The server exports its URL into the environment its kernels inherit (a restored kernel is told
+its new server's, ``retarget.adopt``). Requests are signed with the kernel's own message key
+(``kernel_auth.py``): the server's token never enters a kernel. Each call is one short HTTP
+request with ``Connection: close``: no connection stays open across a snapshot.
 """
 
 from __future__ import annotations
@@ -10,10 +12,11 @@ import json
 import os
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from .. import config
+from .. import config, kernel_auth
 
 
 class ServerError(RuntimeError):
@@ -31,6 +34,20 @@ def kernel_id() -> str:
     return kid
 
 
+def _signing_key() -> bytes:
+    """The key this kernel signs its Jupyter messages with (the server knows it)."""
+    try:
+        from IPython import get_ipython
+
+        key = get_ipython().kernel.session.key
+    except AttributeError:
+        key = b""
+    if not key:
+        raise ServerError(0, "this code is not running in a Jupyter kernel with a message key",
+                          "not_managed")
+    return key
+
+
 def request(method: str, path: str, body: dict | None = None, timeout: float = 60) -> dict:
     base = os.environ.get(config.SERVER_URL_ENV)
     if not base:
@@ -41,9 +58,10 @@ def request(method: str, path: str, body: dict | None = None, timeout: float = 6
     req = urllib.request.Request(url, data=data, method=method)
     req.add_header("Content-Type", "application/json")
     req.add_header("Connection", "close")
-    token = os.environ.get(config.SERVER_TOKEN_ENV)
-    if token:
-        req.add_header("Authorization", f"token {token}")
+    parts = urllib.parse.urlsplit(url)
+    uri = parts.path + (f"?{parts.query}" if parts.query else "")
+    req.add_header("Authorization", kernel_auth.sign(_signing_key(), kernel_id(), method, uri,
+                                                     data or b"", time.time()))
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             raw = resp.read()

@@ -17,11 +17,9 @@ def _load_jupyter_server_extension(serverapp) -> None:  # noqa: ANN001 - jupyter
     serverapp.web_app.settings["infinijup_manager"] = manager
     if EVENT_SCHEMA_ID not in serverapp.event_logger.schemas.schema_ids:
         serverapp.event_logger.register_event_schema(SCHEMA)
-    # Kernels inherit the server's environment: this is how %snapshot finds its way back.
+    # Kernels inherit the server's environment: this is how %snapshot finds its way back. Not
+    # the token: kernels sign their requests with their message key (kernel_auth.py).
     os.environ[config.SERVER_URL_ENV] = serverapp.connection_url
-    token = getattr(serverapp.identity_provider, "token", "") or ""
-    if token:
-        os.environ[config.SERVER_TOKEN_ENV] = token
     os.environ.setdefault(config.RESULTS_DIR_ENV, str(config.results_dir()))
     setup_handlers(serverapp.web_app)
     serverapp.log.info("Infinijup server extension loaded (store: %s)", manager.store_path)

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+import time
 
 import tornado.web
+from jupyter_server.auth import User
 from jupyter_server.auth.decorator import authorized
+from jupyter_server.base.call_context import CallContext
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 
+from .. import kernel_auth
 from ..errors import BadRequest, InfinijupError
 
 _REQUEST_ID = re.compile(r"^[0-9a-f]{32}$")
@@ -19,10 +24,38 @@ class InfinijupHandler(APIHandler):
     """Base handler: domain errors become ``{"message", "reason"}`` with the right status."""
 
     auth_resource = "infinijup"
+    signed_kernel: str | None = None  # the kernel that signed this request (kernel_auth.py)
 
     @property
     def manager(self):
         return self.settings["infinijup_manager"]
+
+    async def prepare(self) -> None:
+        header = self.request.headers.get("Authorization", "")
+        if not header.startswith(kernel_auth.SCHEME + " "):
+            return await super().prepare()
+        # A kernel's own request (%snapshot and friends), signed with its message key. It may
+        # act on that kernel only (``own_kernel``); no cookie is involved, so no XSRF check.
+        CallContext.set(CallContext.JUPYTER_HANDLER, self)
+        if not self.check_host():
+            raise tornado.web.HTTPError(403)
+        claimed = kernel_auth.claimed_kernel(header)
+        key = self.manager.kernel_message_key(claimed) if claimed else None
+        if key is None:
+            raise tornado.web.HTTPError(403, "the signing kernel is not running on this server")
+        try:
+            self.signed_kernel = kernel_auth.verify(key, header, self.request.method or "",
+                                                    self.request.uri or "", self.request.body or b"",
+                                                    time.time())
+        except kernel_auth.BadSignature as exc:
+            raise tornado.web.HTTPError(403, str(exc)) from None
+        self._token_authenticated = True
+        self.current_user = self._jupyter_current_user = User(username=f"kernel-{claimed}")
+
+    def own_kernel(self, kernel_id: str | None) -> None:
+        """A signed kernel's request may only name that kernel."""
+        if self.signed_kernel is not None and kernel_id != self.signed_kernel:
+            raise tornado.web.HTTPError(403, "a kernel may only act on itself")
 
     def write_error(self, status_code: int, **kwargs) -> None:
         exc = kwargs.get("exc_info", (None, None, None))[1]
@@ -55,6 +88,20 @@ class InfinijupHandler(APIHandler):
         self.finish(json.dumps(result))
 
 
+def allowed(method):
+    """``@authorized`` for users; a request signed by one of this server's kernels is the
+    server owner's own code acting on that kernel (``own_kernel``), so it skips the authorizer."""
+    checked = authorized(method)
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        if self.signed_kernel is not None:
+            return method(self, *args, **kwargs)
+        return checked(self, *args, **kwargs)
+
+    return wrapper
+
+
 def _str(body: dict, name: str, *, required: bool = False) -> str | None:
     value = body.get(name)
     if value is None:
@@ -68,11 +115,12 @@ def _str(body: dict, name: str, *, required: bool = False) -> str | None:
 
 class SnapshotHandler(InfinijupHandler):
     @tornado.web.authenticated
-    @authorized
+    @allowed
     async def post(self) -> None:
         try:
             body = self.body()
             kernel_id = _str(body, "kernel_id", required=True)
+            self.own_kernel(kernel_id)
             message = body.get("message") or ""
             if not isinstance(message, str):
                 raise BadRequest("'message' must be a string")
@@ -94,11 +142,12 @@ class SnapshotHandler(InfinijupHandler):
 
 class RestoreHandler(InfinijupHandler):
     @tornado.web.authenticated
-    @authorized
+    @allowed
     async def post(self) -> None:
         try:
             body = self.body()
             kernel_id = _str(body, "kernel_id", required=True)
+            self.own_kernel(kernel_id)
             ref = _str(body, "commit", required=True)
             branch = _str(body, "branch")
         except InfinijupError as exc:
@@ -118,10 +167,11 @@ class RestoreHandler(InfinijupHandler):
 
 class ResumeHandler(InfinijupHandler):
     @tornado.web.authenticated
-    @authorized
+    @allowed
     async def post(self) -> None:
         try:
             body = self.body()
+            self.own_kernel(None)  # starts kernels: never a kernel's own request
             path = _str(body, "path", required=True)
             ref = _str(body, "commit", required=True)
             kernel_name = _str(body, "kernel_name")
@@ -134,11 +184,12 @@ class ResumeHandler(InfinijupHandler):
 
 class BranchHandler(InfinijupHandler):
     @tornado.web.authenticated
-    @authorized
+    @allowed
     async def post(self) -> None:
         try:
             body = self.body()
             kernel_id = _str(body, "kernel_id", required=True)
+            self.own_kernel(kernel_id)
             name = _str(body, "name", required=True)
         except InfinijupError as exc:
             return await self.call(_raise(exc))
@@ -147,18 +198,20 @@ class BranchHandler(InfinijupHandler):
 
 class HistoryHandler(InfinijupHandler):
     @tornado.web.authenticated
-    @authorized
+    @allowed
     async def get(self) -> None:
         kernel_id = self.get_argument("kernel_id", None)
+        self.own_kernel(kernel_id)
         path = self.get_argument("path", None)
         await self.call(self.manager.history(kernel_id=kernel_id, path=path))
 
 
 class StatusHandler(InfinijupHandler):
     @tornado.web.authenticated
-    @authorized
+    @allowed
     async def get(self) -> None:
         kernel_id = self.get_argument("kernel_id", None)
+        self.own_kernel(kernel_id)
         await self.call(self.manager.status(kernel_id))
 
 

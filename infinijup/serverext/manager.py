@@ -109,6 +109,16 @@ class SnapshotManager(LoggingConfigurable):
             raise NotFound(f"no kernel {kernel_id}", reason="unknown_kernel")
         return self.kernel_manager.get_kernel(kernel_id)
 
+    def kernel_message_key(self, kernel_id: str) -> bytes | None:
+        """The message key of a running Infinijup kernel of this server (None otherwise): what
+        its own requests are signed with (kernel_auth.py)."""
+        if kernel_id not in self.kernel_manager.list_kernel_ids():
+            return None
+        km = self.kernel_manager.get_kernel(kernel_id)
+        if not isinstance(getattr(km, "provisioner", None), InfinijupProvisioner):
+            return None
+        return bytes(km.session.key) or None
+
     def _provisioner(self, km) -> InfinijupProvisioner:
         prov = km.provisioner
         if not isinstance(prov, InfinijupProvisioner) or prov.root_pid is None:
@@ -422,7 +432,9 @@ class SnapshotManager(LoggingConfigurable):
                 await self._recover(km, prov, exc)
                 raise
             if not retarget.same_session:
-                await run_agent(km, adopt_expression(kernel_id), self.busy_timeout)
+                await run_agent(km, adopt_expression(kernel_id, self.serverapp.connection_url,
+                                                   str(config.results_dir())),
+                                self.busy_timeout)
             await self._resume(km, restored=True)
             commit_thread = (commit.metadata or {}).get("thread", DEFAULT_THREAD)
             if branch is not None:

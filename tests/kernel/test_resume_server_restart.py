@@ -29,7 +29,16 @@ def _resume_and_read(server: ServerProcess, commit: str) -> str:
     assert code == 200, body
     kernel = server.kernel_client(body["kernel_id"])
     try:
-        return kernel.evaluate(v=NEXT)["v"]
+        value = kernel.evaluate(v=NEXT)["v"]
+        # %snapshot from the resumed kernel reaches *this* server (its URL and the kernel's
+        # signature, not the old server's token) and lands on the resumed commit.
+        message = f"after resume on {server.port}"
+        kernel.execute(f"%snapshot -w -m '{message}'", timeout=120)
+        code, hist = server.request("GET", f"/infinijup/history?path={NB}")
+        assert code == 200, hist
+        mine = [c for c in hist["commits"] if c.get("message") == message]
+        assert len(mine) == 1 and mine[0]["parents"] == [commit], hist
+        return value
     finally:
         kernel.kc.stop_channels()
 

@@ -564,11 +564,12 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")[-5000:]
 
     def request(self, method: str, path: str, body: dict | None = None,
-                timeout: float = 600.0, token: str | None = None) -> tuple[int, dict]:
+                timeout: float = 600.0, token: str | None = None,
+                headers: dict[str, str] | None = None) -> tuple[int, dict]:
         import urllib.error
         import urllib.request
 
-        headers = {"Content-Type": "application/json"}
+        headers = {"Content-Type": "application/json", **(headers or {})}
         if token is None:
             token = self.token
         if token:

@@ -283,6 +283,7 @@ def test_second_account_snapshots_restores_and_branches_its_own_kernel(other_ser
             # the hub's and the server's credentials are not in the kernel (nor its snapshots)
             environ = Path(f"/proc/{proc.pid}/environ").read_bytes()
             assert other_server.hub_secret.encode() not in environ
+            assert other_server.token.encode() not in environ
         code, snap = other_server.request("POST", "/infinijup/snapshot", {"kernel_id": kernel_id})
         assert code == 201, snap
         kernel.execute("x = 'second'")
@@ -299,6 +300,12 @@ def test_second_account_snapshots_restores_and_branches_its_own_kernel(other_ser
                                            {"kernel_id": kernel_id})
         assert code == 201 and snap2["thread"] == "other-path", snap2
         assert snap2["parents"] == [snap["commit"]]
+        # the kernel's own %snapshot, signed with its message key, as the second account
+        kernel.execute("%snapshot -w -m 'from the kernel'", timeout=120)
+        code, hist = other_server.request("GET", f"/infinijup/history?kernel_id={kernel_id}")
+        assert code == 200, hist
+        assert [c["parents"] for c in hist["commits"] if c["message"] == "from the kernel"] == \
+            [[snap2["commit"]]], hist
         store = Path(other_server.env["INFINIJUP_STORE"])
         assert all(st.st_uid == other_user.pw_uid for st in
                    (p.lstat() for p in [store, *store.rglob("*")]))
@@ -328,6 +335,59 @@ BAD_BODIES = [
     ("branch", b'{"kernel_id": "{kid}", "name": "\\u0000"}'),
     ("branch", b'{"kernel_id": "{kid}"}'),
 ]
+
+
+def test_kernels_sign_their_own_requests_and_nothing_else(helper_up):
+    """The magics' requests carry no server token (kernel_auth.py): a kernel signs them with its
+    message key, and the server accepts such a request only for that kernel, on Infinijup's
+    routes, with a fresh signature over this very request."""
+    import time
+
+    from infinijup import kernel_auth
+
+    base = make_base()
+    server = ServerProcess(base / "server", helper_up.socket_path, str(base / "store"),
+                           base / "notebooks")
+    server.start()
+    try:
+        mine, theirs = server.open_session("mine.ipynb"), server.open_session("theirs.ipynb")
+        kernel = server.kernel_client(mine)
+        environ = "repr(dict(__import__('os').environ))"
+        assert server.token not in kernel.evaluate(env=environ)["env"]
+        kernel.execute("x = 1\n%snapshot -w -m signed", timeout=120)
+        code, hist = server.request("GET", f"/infinijup/history?kernel_id={mine}")
+        assert code == 200 and [c["message"] for c in hist["commits"]] == ["signed"], hist
+        key = kernel.kc.session.key
+
+        def signed(method, path, body=None, kid=mine, key=key, ago=0.0, signed_body=None):
+            raw = json.dumps(body).encode() if body is not None else b""
+            header = kernel_auth.sign(key, kid, method, path,
+                                      raw if signed_body is None else signed_body,
+                                      time.time() - ago)
+            return server.request(method, path, body, token="",
+                                  headers={"Authorization": header})[0]
+
+        assert signed("GET", f"/infinijup/status?kernel_id={mine}") == 200
+        refused = {
+            "another kernel's snapshot": signed("POST", "/infinijup/snapshot",
+                                                {"kernel_id": theirs}),
+            "another kernel's history": signed("GET", f"/infinijup/history?kernel_id={theirs}"),
+            "starting kernels": signed("POST", "/infinijup/resume",
+                                       {"path": "mine.ipynb", "commit": "main"}),
+            "a wrong key": signed("GET", f"/infinijup/status?kernel_id={mine}", key=b"k" * 64),
+            "an old signature": signed("GET", f"/infinijup/status?kernel_id={mine}", ago=3600),
+            "another body": signed("POST", "/infinijup/snapshot", {"kernel_id": mine},
+                                   signed_body=b'{"kernel_id": "x"}'),
+            "a kernel that is not running": signed("GET", "/infinijup/status?kernel_id=nope",
+                                                   kid="nope"),
+            "Jupyter's own routes": signed("GET", "/api/kernels"),
+        }
+        assert set(refused.values()) == {403}, refused
+        code, hist = server.request("GET", f"/infinijup/history?kernel_id={mine}")
+        assert [c["message"] for c in hist["commits"]] == ["signed"], hist
+        kernel.close()
+    finally:
+        server.stop()
 
 
 async def test_malformed_rest_requests_get_4xx(notebook, store_path):
