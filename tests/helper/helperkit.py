@@ -28,7 +28,10 @@ REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 CRIU = os.environ.get("INFINIJUP_CRIU") or "/opt/infinijup/criu/sbin/criu"
 PYCRIU = os.environ.get("INFINIJUP_PYCRIU") or "/opt/infinijup/criu/python"
-OTHER_USER = "infinijup-test-other"
+# This run's second account: suites running at once (a busy CI machine) never share one, so none
+# can delete the account another is using. Those of runs that are gone are removed (ensure_user).
+OTHER_USER_PREFIX = "infinijup-test-"
+OTHER_USER = f"{OTHER_USER_PREFIX}{os.getpid()}"
 
 
 def _missing_requirement() -> str | None:
@@ -334,6 +337,11 @@ def ensure_user(name: str = OTHER_USER) -> tuple[Any, bool]:
     """The account ``name`` (created, no home, no login shell, when missing); True if created."""
     import pwd
 
+    for entry in pwd.getpwall():
+        run = entry.pw_name.removeprefix(OTHER_USER_PREFIX)
+        if entry.pw_name.startswith(OTHER_USER_PREFIX) and run.isdigit() and \
+                not os.path.exists(f"/proc/{run}"):
+            subprocess.run(["userdel", entry.pw_name], check=False, capture_output=True)
     try:
         return pwd.getpwnam(name), False
     except KeyError:

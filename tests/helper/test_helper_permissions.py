@@ -7,52 +7,20 @@ import os
 import pwd
 import shutil
 import signal
-import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helperkit import OTHER_USER, READER_SCRIPT, Kernel, children_of, needs_root_and_criu, wait_for
+from helperkit import READER_SCRIPT, Kernel, children_of, needs_root_and_criu, wait_for
 
 pytestmark = needs_root_and_criu
 
 
 @pytest.fixture(scope="module")
-def other_user() -> Iterator[pwd.struct_passwd]:
-    if shutil.which("useradd") is None:
-        pytest.skip("useradd is not installed")
-    created = False
-    try:
-        pwd.getpwnam(OTHER_USER)
-    except KeyError:
-        subprocess.run(
-            ["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", OTHER_USER], check=True
-        )
-        created = True
-    user = pwd.getpwnam(OTHER_USER)
-    yield user
-    if created:
-        _wait_until_no_process_of(user.pw_uid)
-        subprocess.run(["userdel", OTHER_USER], check=True)
-
-
-def _wait_until_no_process_of(uid: int, timeout: float = 10.0) -> None:
-    """userdel refuses a user who still runs processes; killed trees take a moment to go."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        busy = False
-        for name in os.listdir("/proc"):
-            if name.isdigit():
-                try:
-                    busy = busy or os.stat(f"/proc/{name}").st_uid == uid
-                except FileNotFoundError:
-                    pass
-        if not busy:
-            return
-        time.sleep(0.05)
+def other_user(other_account) -> pwd.struct_passwd:
+    """This run's second real account (helperkit.other_account)."""
+    return other_account
 
 
 def flip_last_byte(path: str) -> None:
