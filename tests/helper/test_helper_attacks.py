@@ -977,3 +977,57 @@ def test_dumps_racing_the_trees_death(helper, other_account) -> None:
     wait_for(lambda: not {p.pid for p in _processes_of(other_account.pw_uid)} & set(roots),
              what="nothing of them left running")
     print("dump vs death:", outcomes)
+
+
+SETUID_PARENT = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.argv[1], "600"])
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_setuid_member_of_a_users_tree_is_never_dumped_or_locked_for_them(account):
+    """Item 7: a user's tree can hold a process that runs as root (a setuid program the user
+    started). The helper never dumps it for them (its memory is root's) and its CUDA stage
+    never locks or checkpoints it (cuda_stage.tree_pids with the caller as owner): the dump is
+    refused with the reason, and the setuid process runs on, untouched."""
+    from infinijup_helper.cuda_stage import tree_pids
+    from infinijup_helper.proc import read_proc, tree_members
+
+    shelf = Path(f"/var/tmp/ijsuid-{secrets.token_hex(4)}")  # root's, readable by all
+    shelf.mkdir(mode=0o755)
+    os.chmod(shelf, 0o755)
+    suid = shelf / "sleep-as-root"
+    shutil.copy("/bin/sleep", suid)
+    os.chmod(suid, 0o4755)
+    try:
+        script = Path(account.work) / "setuid-parent.py"
+        script.write_text(SETUID_PARENT)
+        account.own(script)
+        log = os.path.join(account.work, "setuid-parent.log")
+        got = account.call(lambda: account.client.spawn(
+            [SYSTEM_PYTHON, str(script), str(suid)], {"PATH": "/usr/bin:/bin"}, account.work, log))
+        assert "value" in got, got
+        root = account.trees.add(got["value"])
+        wait_for(lambda: "ready" in (Path(log).read_text() if os.path.exists(log) else ""),
+                 what="the setuid child to start")
+        as_root = [p for p in tree_members(root)[1:]
+                   if (info := read_proc(p)) is not None and info.uids[1] == 0]
+        assert len(as_root) == 1, [read_proc(p) for p in tree_members(root)]
+        (victim,) = as_root
+        owner = account.user.pw_uid
+        assert victim in tree_pids(root) and victim not in tree_pids(root, owner)
+        assert set(tree_pids(root, owner)) == set(tree_members(root)) - {victim}
+
+        images = os.path.join(account.work, "images-setuid")
+        refused = account.call(lambda: account.client.dump(root, images).__dict__)
+        assert refused.get("error") == "permission_denied", refused
+        assert f"process {victim}" in refused["message"], refused
+        state = read_proc(victim)
+        assert state is not None and state.uids[1] == 0
+        with open(f"/proc/{victim}/stat") as f:
+            assert f.read().rsplit(")", 1)[1].split()[0] in "SR", "the setuid process was stopped"
+        assert account.call(lambda: account.client.kill(root)) == {"value": None}
+    finally:
+        shutil.rmtree(shelf, ignore_errors=True)
