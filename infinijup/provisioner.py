@@ -37,6 +37,8 @@ class InfinijupProvisioner(LocalProvisioner):
 
     tracked: TrackedProcess | None = None
     restoring: bool = False
+    hibernated: bool = False  # no process, on purpose: the next request wakes it (hibernation.py)
+    on_discard: Any = None  # called when a hibernated kernel is shut down (its record goes)
     log_path: str | None = None
     launches: int = 0  # +1 per launch: a restart gives the kernel a fresh state
 
@@ -60,6 +62,7 @@ class InfinijupProvisioner(LocalProvisioner):
         return kwargs
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
+        self.hibernated = False  # a (re)start is a fresh kernel
         helper = self.helper()
         work_dir = Path(await asyncio.to_thread(helper.work_dir))
         logs = work_dir / "logs"
@@ -83,6 +86,7 @@ class InfinijupProvisioner(LocalProvisioner):
         self.pid = pid
         self.pgid = None
         self.restoring = False
+        self.hibernated = False
 
     @property
     def root_pid(self) -> int | None:
@@ -90,7 +94,7 @@ class InfinijupProvisioner(LocalProvisioner):
         return self.tracked.pid if self.tracked else None
 
     async def poll(self) -> int | None:
-        if self.restoring:
+        if self.restoring or self.hibernated:  # not dead: the restarter must leave it be
             return None
         if self.tracked is None:
             return 0
@@ -107,6 +111,11 @@ class InfinijupProvisioner(LocalProvisioner):
             return 1
 
     async def wait(self) -> int | None:
+        if self.hibernated:  # shut down while hibernated: nothing runs, the snapshot stays
+            self.hibernated = False
+            if self.on_discard is not None:
+                self.on_discard()
+            return 0
         if self.tracked is None:
             return 0
         while await self.poll() is None:
@@ -132,6 +141,16 @@ class InfinijupProvisioner(LocalProvisioner):
                 await asyncio.to_thread(self.helper().kill, self.tracked.pid)
             except Exception:
                 await self.send_signal(signal.SIGKILL)
+
+    async def end_process(self) -> None:
+        """End the kernel's tree and forget it (hibernation: the kernel itself stays)."""
+        if self.tracked is not None:
+            if self.tracked.alive():
+                await asyncio.to_thread(self.helper().kill, self.tracked.pid)
+            while self.tracked.alive():
+                await asyncio.sleep(0.05)
+            self.tracked.close()
+            self.tracked = None
 
     async def terminate(self, restart: bool = False) -> None:
         await self.send_signal(signal.SIGTERM)

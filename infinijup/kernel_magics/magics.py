@@ -1,4 +1,5 @@
-"""``%snapshot``, ``%restore``, ``%snapshots`` and ``%branch``: Infinijup from inside a notebook.
+"""``%snapshot``, ``%restore``, ``%snapshots``, ``%branch`` and ``%hibernate``: Infinijup from
+inside a notebook.
 
 A magic that fails raises :class:`MagicError`: the cell fails (``execute_reply`` status
 "error", the notebook shows the message as an error) and "Run All" stops there.
@@ -138,6 +139,17 @@ class InfinijupMagics(Magics):
                 print(f"Next snapshots go to thread '{out['thread']}'.")
         except ServerError as err:
             raise _failed("Branch", err) from None
+
+
+    @line_magic
+    def hibernate(self, line: str) -> None:
+        """Hibernate this kernel once this cell is done: ``%hibernate``. It is snapshotted and
+        its process ends (no RAM, no GPU); the next cell wakes it where it was."""
+        try:
+            request("POST", "/infinijup/hibernate", {"kernel_id": kernel_id(), "from_kernel": True})
+        except ServerError as err:
+            raise _failed("Hibernate", err) from None
+        print("The kernel hibernates once this cell is done; the next cell wakes it.")
 
 
 def _restore(ref: str, branch: str | None) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from .. import config
 from .handlers import setup_handlers
 from .manager import EVENT_SCHEMA_ID, SnapshotManager
+from .websocket import RestingKernelConnection
 
 SCHEMA = Path(__file__).parent / "event_schemas" / "operation-v1.yaml"
 
@@ -21,6 +22,16 @@ def _load_jupyter_server_extension(serverapp) -> None:  # noqa: ANN001 - jupyter
     # the token: kernels sign their requests with their message key (kernel_auth.py).
     os.environ[config.SERVER_URL_ENV] = serverapp.connection_url
     os.environ.setdefault(config.RESULTS_DIR_ENV, str(config.results_dir()))
+    # Requests to a resting kernel wait in its websocket and wake it (hibernation.py).
+    serverapp.web_app.settings["kernel_websocket_connection_class"] = RestingKernelConnection
+    stop_kernels = serverapp.cleanup_kernels
+
+    async def cleanup_kernels() -> None:  # a stopping server keeps hibernated kernels' records
+        manager.hibernation.stopping = True
+        await stop_kernels()
+
+    serverapp.cleanup_kernels = cleanup_kernels
+    manager.hibernation.start(manager.idle_check_interval)
     setup_handlers(serverapp.web_app)
     serverapp.log.info("Infinijup server extension loaded (store: %s)", manager.store_path)
 

@@ -196,6 +196,34 @@ class BranchHandler(InfinijupHandler):
         await self.call(self.manager.branch(kernel_id, name))
 
 
+class HibernateHandler(InfinijupHandler):
+    @tornado.web.authenticated
+    @allowed
+    async def post(self) -> None:
+        try:
+            body = self.body()
+            kernel_id = _str(body, "kernel_id", required=True)
+            self.own_kernel(kernel_id)
+        except InfinijupError as exc:
+            return await self.call(_raise(exc))
+        from_kernel = bool(body.get("from_kernel"))
+        await self.call(self.manager.hibernate(kernel_id, from_kernel=from_kernel),
+                        status=202 if from_kernel else 200)
+
+
+class WakeHandler(InfinijupHandler):
+    @tornado.web.authenticated
+    @allowed
+    async def post(self) -> None:
+        try:
+            body = self.body()
+            kernel_id = _str(body, "kernel_id", required=True)
+            self.own_kernel(kernel_id)
+        except InfinijupError as exc:
+            return await self.call(_raise(exc))
+        await self.call(self.manager.wake(kernel_id))
+
+
 class HistoryHandler(InfinijupHandler):
     @tornado.web.authenticated
     @allowed
@@ -226,6 +254,8 @@ def setup_handlers(web_app) -> None:
         ("restore", RestoreHandler),
         ("resume", ResumeHandler),
         ("branch", BranchHandler),
+        ("hibernate", HibernateHandler),
+        ("wake", WakeHandler),
         ("history", HistoryHandler),
         ("status", StatusHandler),
     ]

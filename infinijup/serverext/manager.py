@@ -54,6 +54,7 @@ from ..kernel_key import user_kernel_key
 from ..kernel_magics import agent
 from ..provisioner import InfinijupProvisioner
 from ..store import Repository, default_store_path
+from .hibernation import Hibernation
 
 EVENT_SCHEMA_ID = "https://events.infinijup.dev/operation"
 
@@ -70,6 +71,15 @@ class SnapshotManager(LoggingConfigurable):
                                   "work dir, so that restoring them skips the store checkout "
                                   "(default: a quarter of the memory, at most 32 GiB; 0: none)."
                              ).tag(config=True)
+
+    hibernate_after = Float(0.0, help="Seconds a kernel may stay idle before it is hibernated: "
+                                      "snapshotted and its process ended; the next cell wakes "
+                                      "it (0: never).").tag(config=True)
+    gpu_release_after = Float(0.0, help="Seconds a GPU kernel may stay idle before its GPU "
+                                        "memory moves to host memory, freeing the GPU; the next "
+                                        "cell brings it back (0: never).").tag(config=True)
+    idle_check_interval = Float(10.0, help="Seconds between two checks for idle kernels."
+                                ).tag(config=True)
 
     @default("store_path")
     def _default_store_path(self) -> str:
@@ -89,6 +99,8 @@ class SnapshotManager(LoggingConfigurable):
         self._last: dict[str, dict] = {}  # kernel id -> the last finished operation
         self._tasks: set[asyncio.Task] = set()
         self._path_locks: dict[str, asyncio.Lock] = {}  # one resume at a time per notebook
+        store = Path(self.store_path)
+        self.hibernation = Hibernation(self, store.with_name(store.name + "-hibernated"))
 
     # --- plumbing ------------------------------------------------------------------------
     @property
@@ -109,6 +121,88 @@ class SnapshotManager(LoggingConfigurable):
             raise NotFound(f"no kernel {kernel_id}", reason="unknown_kernel")
         return self.kernel_manager.get_kernel(kernel_id)
 
+    # --- what hibernation.py uses -------------------------------------------------------------
+    def kernel(self, kernel_id: str):
+        return self._kernel(kernel_id)
+
+    def provisioner(self, km) -> InfinijupProvisioner:
+        return self._provisioner(km)
+
+    async def wait_idle(self, km) -> None:
+        await self._wait_idle(km)
+
+    def kernel_ids(self) -> list[str]:
+        return list(self.kernel_manager.list_kernel_ids())
+
+    async def notebook_path(self, kernel_id: str) -> str:
+        return await self._path(kernel_id)
+
+    def has_head(self, kernel_id: str) -> bool:
+        return self._head(kernel_id).commit is not None
+
+    def event_state(self, kernel_id: str, op: str) -> dict:
+        return {"op": op, "op_id": uuid.uuid4().hex, "kernel_id": kernel_id, "path": "",
+                "phase": "queued", "percent": 0}
+
+    def event(self, state: dict, phase: str, **extra) -> None:
+        self._emit(state, phase, 100 if phase in ("done", "error") else 0, **extra)
+
+    def idle_kernels(self, now: float) -> list[tuple[str, float]]:
+        """(kernel id, seconds idle) of the Infinijup kernels that are idle and that no
+        operation holds."""
+        out = []
+        for kernel_id in self.kernel_ids():
+            km = self.kernel_manager.get_kernel(kernel_id)
+            if not isinstance(getattr(km, "provisioner", None), InfinijupProvisioner):
+                continue
+            if kernel_id in self._ops or getattr(km, "execution_state", "") != "idle":
+                continue
+            last = getattr(km, "last_activity", None)
+            if last is not None:
+                out.append((kernel_id, now - last.timestamp()))
+        return out
+
+    def uses_gpu(self, kernel_id: str) -> bool:
+        prov = self._provisioner(self._kernel(kernel_id))
+        return prov.root_pid is not None and _uses_cuda(prov.root_pid)
+
+    async def release_gpu(self, kernel_id: str) -> dict:
+        prov = self._provisioner(self._kernel(kernel_id))
+        return await asyncio.to_thread(self.engine().release_gpu, prov.root_pid)
+
+    async def reacquire_gpu(self, kernel_id: str) -> dict:
+        prov = self._provisioner(self._kernel(kernel_id))
+        return await asyncio.to_thread(self.engine().reacquire_gpu, prov.root_pid)
+
+    async def wake_from(self, kernel_id: str, commit: str, fresh: bool = False) -> dict:
+        """Bring a hibernated kernel back from its snapshot, in its own session."""
+        return await self.restore(kernel_id, commit)
+
+    async def hibernate(self, kernel_id: str, from_kernel: bool = False) -> dict:
+        """Hibernate now (409 while a cell runs), or, asked by the kernel itself
+        (``%hibernate``), once the asking cell has finished."""
+        if not from_kernel:
+            return await self.hibernation.hibernate(kernel_id)
+        km = self._kernel(kernel_id)
+        self._provisioner(km)
+
+        async def run() -> None:
+            await asyncio.sleep(0.05)
+            try:
+                await self._wait_idle(km)
+                await self.hibernation.hibernate(kernel_id, reason="%hibernate")
+            except InfinijupError as exc:
+                self.log.warning("infinijup: %%hibernate of %s failed: %s", kernel_id,
+                                 exc.message)
+
+        self._spawn(run())
+        return {"kernel_id": kernel_id, "state": "hibernating"}
+
+    async def wake(self, kernel_id: str) -> dict:
+        self._kernel(kernel_id)
+        await self.hibernation.wake_soon(kernel_id)
+        return {"kernel_id": kernel_id, "state": self.hibernation.state(kernel_id)}
+
     def kernel_message_key(self, kernel_id: str) -> bytes | None:
         """The message key of a running Infinijup kernel of this server (None otherwise): what
         its own requests are signed with (kernel_auth.py)."""
@@ -121,7 +215,8 @@ class SnapshotManager(LoggingConfigurable):
 
     def _provisioner(self, km) -> InfinijupProvisioner:
         prov = km.provisioner
-        if not isinstance(prov, InfinijupProvisioner) or prov.root_pid is None:
+        if not isinstance(prov, InfinijupProvisioner) or (prov.root_pid is None and
+                                                          not prov.hibernated):
             raise PreflightRefused(
                 f"kernel {km.kernel_id} does not run under Infinijup: change the notebook's "
                 "kernel to 'Python 3 (Infinijup)' to snapshot it",
@@ -210,6 +305,9 @@ class SnapshotManager(LoggingConfigurable):
         the commit is durable."""
         km = self._kernel(kernel_id)
         prov = self._provisioner(km)
+        if prov.hibernated:
+            raise Conflict("the kernel is hibernated: its last snapshot is its state (run a cell "
+                           "to wake it)", reason="kernel_hibernated")
         if thread is not None:
             check_thread_name(thread)
         path = await self._path(kernel_id)
@@ -436,6 +534,7 @@ class SnapshotManager(LoggingConfigurable):
                                                    str(config.results_dir())),
                                 self.busy_timeout)
             await self._resume(km, restored=True)
+            self.hibernation.restored(kernel_id)  # a hibernated kernel restored: awake
             commit_thread = (commit.metadata or {}).get("thread", DEFAULT_THREAD)
             if branch is not None:
                 await asyncio.to_thread(repo.set_thread, store_thread(key, branch), commit_id,
@@ -689,7 +788,25 @@ class SnapshotManager(LoggingConfigurable):
         managed = isinstance(km.provisioner, InfinijupProvisioner)
         op = self._ops.get(kernel_id)
         return {"kernel_id": kernel_id, "managed": managed,
+                "state": self.hibernation.state(kernel_id),
                 "operation": {k: op[k] for k in ("op", "phase", "percent")} if op else None,
                 "last_operation": self._last.get(kernel_id),
                 "head": {"thread": self._head(kernel_id).thread,
                          "commit": self._head(kernel_id).commit}}
+
+
+def _uses_cuda(root: int) -> bool:
+    """Does any process of the kernel's tree map the CUDA driver?"""
+    queue = [root]
+    while queue:
+        pid = queue.pop()
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                if any("libcuda.so" in line for line in f):
+                    return True
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    queue.extend(int(x) for x in f.read().split())
+        except OSError:
+            continue
+    return False

@@ -1,0 +1,281 @@
+"""Idle kernels give back what they hold, and wake on the next request (issue 14).
+
+Two ways to rest:
+- **released**: the kernel's VRAM moves to host memory in place (the helper's GPU release, no
+  CRIU); the process keeps running and the GPU is free for others.
+- **hibernated**: the kernel is snapshotted to the store and its process ended: no process, no
+  RAM, no VRAM. The kernel stays in the server (same id, same ports, same websocket), and a
+  record beside the store names its snapshot, so a later server can bring it back too.
+
+While a kernel rests, the websocket layer (``websocket.py``) holds every request the notebook
+sends; the first one that is not a ``kernel_info_request`` wakes the kernel (``wake``), and the
+held requests then go to it in the order they came. A wake that fails answers each held request
+with the reason; the kernel stays resting, and resumable from its snapshot.
+
+The manager (``manager.py``) owns snapshot and restore; this module decides when and keeps the
+states. Idle times come from jupyter_server's ``last_activity`` of each kernel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import Conflict, InfinijupError, NotFound
+
+RELEASED, HIBERNATING, HIBERNATED, WAKING = "released", "hibernating", "hibernated", "waking"
+
+
+@dataclass
+class Rest:
+    """A kernel that is resting (or on its way into or out of rest)."""
+
+    state: str
+    commit: str | None = None  # the snapshot a hibernated kernel wakes from
+    since: float = field(default_factory=time.time)
+    fresh: bool = False  # a new kernel standing in for one hibernated by an earlier server
+    wake: asyncio.Future | None = None
+    entered: asyncio.Event = field(default_factory=asyncio.Event)  # into rest, or gave up
+
+
+class Hibernation:
+    def __init__(self, manager, records_dir: Path) -> None:
+        self.manager = manager
+        self.records = records_dir
+        self.rests: dict[str, Rest] = {}
+        self.stopping = False  # the server is shutting its kernels down: keep their records
+        self.listeners: dict[str, set] = {}  # kernel id -> websocket connections holding requests
+        self._ticker: asyncio.Task | None = None
+
+    # --- what the websocket layer asks ------------------------------------------------------
+    def holds(self, kernel_id: str) -> bool:
+        """Requests to this kernel wait (it rests, or is going to or coming out of rest)."""
+        return kernel_id in self.rests
+
+    def state(self, kernel_id: str) -> str:
+        rest = self.rests.get(kernel_id)
+        return rest.state if rest else "running"
+
+    async def claim_record(self, kernel_id: str) -> None:
+        """A kernel's websocket opens: if its notebook was hibernated by an earlier server and
+        this kernel is new (nothing snapshotted or restored in it yet), it stands in for that
+        kernel: its first request wakes it from the record's snapshot."""
+        if kernel_id in self.rests or not self.records.is_dir():
+            return
+        try:
+            path = await self.manager.notebook_path(kernel_id)
+        except InfinijupError:
+            return
+        if self.manager.has_head(kernel_id):
+            return
+        for record in self._records():
+            if record.get("path") == path and record.get("kernel_id") != kernel_id and \
+                    record.get("kernel_id") not in self.manager.kernel_ids():
+                self.rests[kernel_id] = Rest(HIBERNATED, commit=record["commit"], fresh=True,
+                                             since=record.get("since", time.time()))
+                self._move_record(record["kernel_id"], kernel_id, record)
+                self.manager.log.info("infinijup: kernel %s stands in for %s, hibernated at %s",
+                                      kernel_id, record["kernel_id"], record["commit"][:12])
+                return
+
+    def wake_soon(self, kernel_id: str) -> asyncio.Future:
+        """Wake the kernel (once, however many ask); the future is done when it answers."""
+        rest = self.rests.get(kernel_id)
+        if rest is None:
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+        if rest.state == HIBERNATING:  # wake it once it is in (or has given up)
+            return asyncio.ensure_future(self._wake_after(kernel_id, rest))
+        if rest.wake is None:
+            rest.wake = asyncio.ensure_future(self._wake(kernel_id, rest))
+        return rest.wake
+
+    async def _wake_after(self, kernel_id: str, rest: Rest) -> None:
+        await rest.entered.wait()
+        await self.wake_soon(kernel_id)
+
+    def _notify(self, kernel_id: str, error: str | None = None) -> None:
+        """Tell the connections holding requests for this kernel: send them on (it runs), or
+        answer them with ``error`` (it could not wake)."""
+        for conn in list(self.listeners.get(kernel_id, ())):
+            conn.held_done(error)
+
+    # --- resting ---------------------------------------------------------------------------
+    async def hibernate(self, kernel_id: str, *, reason: str = "asked") -> dict:
+        """Snapshot the kernel to the store, then end its process. Refused (409) while it
+        runs a cell: a hibernation never interrupts one."""
+        km = self.manager.kernel(kernel_id)
+        prov = self.manager.provisioner(km)
+        rest = self.rests.get(kernel_id)
+        if rest is not None and rest.state == HIBERNATED:
+            return {"kernel_id": kernel_id, "state": HIBERNATED, "commit": rest.commit}
+        if rest is not None and rest.state != RELEASED:
+            raise Conflict(f"the kernel is {rest.state}", reason="kernel_" + rest.state)
+        await self.manager.wait_idle(km)  # 409 after busy_timeout: never interrupts a cell
+        if rest is not None:  # released: its GPU memory comes back first, then the snapshot
+            await self.wake_soon(kernel_id)
+        self.rests[kernel_id] = rest = Rest(HIBERNATING)
+        state = self.manager.event_state(kernel_id, "hibernate")
+        try:
+            # requests from notebooks are held from now on (websocket.py): nothing runs
+            # between the snapshot and the end of the process
+            snap = await self.manager.snapshot(kernel_id, message=f"hibernated ({reason})")
+            prov.hibernated = True
+            prov.on_discard = lambda: self._discard(kernel_id)
+            await prov.end_process()
+            rest.state, rest.commit, rest.since = HIBERNATED, snap["commit"], time.time()
+            self._write_record(kernel_id, {"kernel_id": kernel_id,
+                                           "path": await self.manager.notebook_path(kernel_id),
+                                           "commit": snap["commit"], "since": rest.since})
+        except BaseException as exc:
+            self.rests.pop(kernel_id, None)
+            prov.hibernated = False
+            rest.entered.set()
+            self._notify(kernel_id)  # requests held meanwhile go to the running kernel
+            self.manager.event(state, "error", kernel_state="running",
+                               message=getattr(exc, "message", str(exc)),
+                               reason=getattr(exc, "reason", "error"))
+            raise
+        rest.entered.set()
+        self.manager.event(state, "done", kernel_state=HIBERNATED, commit=snap["commit"])
+        return {"kernel_id": kernel_id, "state": HIBERNATED, "commit": snap["commit"]}
+
+    async def release(self, kernel_id: str) -> dict:
+        """Move the kernel's VRAM to host memory; the process runs on without its GPUs."""
+        km = self.manager.kernel(kernel_id)
+        if kernel_id in self.rests:
+            return {"kernel_id": kernel_id, "state": self.rests[kernel_id].state}
+        await self.manager.wait_idle(km)
+        self.rests[kernel_id] = rest = Rest(RELEASED)
+        state = self.manager.event_state(kernel_id, "release")
+        try:
+            detail = await self.manager.release_gpu(kernel_id)
+        except BaseException as exc:
+            self.rests.pop(kernel_id, None)
+            self._notify(kernel_id)
+            self.manager.event(state, "error", kernel_state="running",
+                               message=getattr(exc, "message", str(exc)),
+                               reason=getattr(exc, "reason", "error"))
+            raise
+        rest.entered.set()
+        rest.since = time.time()
+        self.manager.event(state, "done", kernel_state=RELEASED)
+        return {"kernel_id": kernel_id, "state": RELEASED, "gpu": detail}
+
+    async def _wake(self, kernel_id: str, rest: Rest) -> None:
+        before = rest.state
+        rest.state = WAKING
+        state = self.manager.event_state(kernel_id, "wake")
+        self.manager.event(state, "queued", kernel_state=WAKING)
+        t0 = time.perf_counter()
+        try:
+            if before == RELEASED:
+                await self.manager.reacquire_gpu(kernel_id)
+            else:
+                await self.manager.wake_from(kernel_id, rest.commit, fresh=rest.fresh)
+        except BaseException as exc:
+            rest.state, rest.wake = before, None  # still resting, still resumable
+            message = getattr(exc, "message", str(exc))
+            self._notify(kernel_id, error=f"the kernel could not wake: {message} (it is still "
+                                          f"{before}; run the cell again to retry)")
+            self.manager.event(state, "error", kernel_state=before, message=message,
+                               reason=getattr(exc, "reason", "error"))
+            raise
+        self.restored(kernel_id)
+        self.manager.event(state, "done", kernel_state="running", commit=rest.commit,
+                           message=f"awake in {time.perf_counter() - t0:.2f} s")
+
+    def restored(self, kernel_id: str) -> None:
+        """A restore gave the kernel a process again and it answers (a wake, or a restore the
+        user asked for): it rests no more; the requests held for it go on now."""
+        rest = self.rests.get(kernel_id)
+        if rest is not None and rest.state in (HIBERNATED, WAKING):
+            self.rests.pop(kernel_id, None)
+            self._remove_record(kernel_id)
+            self._notify(kernel_id)
+
+    def _discard(self, kernel_id: str) -> None:
+        """A hibernated kernel was shut down (or restarted): by its user, its record goes;
+        by a server that is stopping, it stays for the next server."""
+        self.rests.pop(kernel_id, None)
+        if not self.stopping:
+            self._remove_record(kernel_id)
+        self._notify(kernel_id, error="the kernel was shut down while it was hibernated")
+
+    # --- idle policy -------------------------------------------------------------------------
+    def start(self, interval: float) -> None:
+        """Check for idle kernels every ``interval`` s, once the server's loop runs (only when
+        an idle policy is on)."""
+        from tornado.ioloop import IOLoop
+
+        def begin() -> None:
+            if self._ticker is None:
+                self._ticker = asyncio.ensure_future(self._tick_forever(interval))
+
+        if interval > 0 and (self.manager.hibernate_after > 0 or
+                             self.manager.gpu_release_after > 0):
+            IOLoop.current().add_callback(begin)
+
+    async def _tick_forever(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.tick(time.time())
+            except Exception as exc:  # the policy must never take the server down
+                self.manager.log.warning("infinijup: idle check failed: %s", exc)
+
+    async def tick(self, now: float) -> None:
+        """Rest the kernels idle long enough; never a busy one, never one an operation holds."""
+        release_after = self.manager.gpu_release_after
+        hibernate_after = self.manager.hibernate_after
+        for kernel_id, idle_s in self.manager.idle_kernels(now):
+            rest = self.rests.get(kernel_id)
+            try:
+                if hibernate_after > 0 and idle_s >= hibernate_after and \
+                        (rest is None or rest.state == RELEASED):
+                    await self.hibernate(kernel_id, reason=f"idle {idle_s:.0f} s")
+                elif release_after > 0 and idle_s >= release_after and rest is None and \
+                        self.manager.uses_gpu(kernel_id):
+                    await self.release(kernel_id)
+            except InfinijupError as exc:
+                self.manager.log.info("infinijup: kernel %s not rested: %s", kernel_id,
+                                      exc.message)
+
+    # --- records: which kernel sleeps in which snapshot (they outlive the server) -------------
+    def _record_path(self, kernel_id: str) -> Path:
+        if not kernel_id or "/" in kernel_id or kernel_id.startswith("."):
+            raise NotFound(f"no kernel {kernel_id}", reason="unknown_kernel")
+        return self.records / f"{kernel_id}.json"
+
+    def _write_record(self, kernel_id: str, record: dict) -> None:
+        self.records.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path = self._record_path(kernel_id)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, path)
+
+    def _move_record(self, old: str, new: str, record: dict) -> None:
+        self._write_record(new, {**record, "kernel_id": new})
+        self._remove_record(old)
+
+    def _remove_record(self, kernel_id: str) -> None:
+        try:
+            self._record_path(kernel_id).unlink()
+        except FileNotFoundError:
+            pass
+
+    def _records(self) -> list[dict]:
+        out = []
+        for path in sorted(self.records.glob("*.json")):
+            try:
+                record = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(record, dict) and record.get("commit") and record.get("path"):
+                out.append(record)
+        return out

@@ -1,0 +1,172 @@
+"""Hibernation (issue 14), through a real server, helper, CRIU and the notebook's own websocket:
+a hibernated kernel has no process left; the next request wakes it from its snapshot, requests
+sent meanwhile are answered in order, each once; a busy kernel is never hibernated; a wake that
+fails answers with the reason and the kernel stays resumable."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import time
+
+import numpy as np
+import psutil
+import pytest
+from kernelkit import needs_helper
+
+pytestmark = [needs_helper, pytest.mark.timeout(600)]
+
+SETUP = ("import random, numpy as np\n"
+         "x = 41\nrandom.seed(3)\nrng = np.random.default_rng(5)\nruns = []")
+
+
+def manager(jp_serverapp):
+    return jp_serverapp.web_app.settings["infinijup_manager"]
+
+
+def root_of(jp_serverapp, kernel_id):
+    return jp_serverapp.kernel_manager.get_kernel(kernel_id).provisioner.root_pid
+
+
+async def state_of(nb) -> str:
+    r = await nb.fetch("infinijup", "status", params={"kernel_id": nb.kernel_id})
+    return json.loads(r.body)["state"]
+
+
+async def hibernate(nb) -> dict:
+    r = await nb.post("hibernate", {"kernel_id": nb.kernel_id})
+    assert r.code == 200, r.body
+    return json.loads(r.body)
+
+
+async def answers(nb, msg_ids: list[str], timeout: float = 300) -> dict[str, dict]:
+    """Every message of several requests sent at once: {msg_id: {stdout, error, reply,
+    order}}, ``order`` being the position of its execute_reply among all replies. Done when
+    each has its reply and (run or not) its outputs: iopub's idle, or an error reply."""
+    out = {m: {"stdout": "", "error": None, "reply": None, "order": None, "idle": False}
+           for m in msg_ids}
+    replies = 0
+    deadline = time.monotonic() + timeout
+
+    def complete(v: dict) -> bool:
+        return v["reply"] is not None and (v["idle"] or (v["reply"]["status"] == "error" and
+                                                         v["error"] is not None))
+
+    while not all(complete(v) for v in out.values()):
+        raw = await asyncio.wait_for(nb.ws.read_message(), deadline - time.monotonic())
+        assert raw is not None, "the kernel websocket closed"
+        msg = json.loads(raw)
+        parent = msg.get("parent_header", {}).get("msg_id")
+        if parent not in out:
+            continue
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "stream":
+            out[parent]["stdout"] += content["text"]
+        elif kind == "error":
+            out[parent]["error"] = f"{content['ename']}: {content['evalue']}"
+        elif kind == "execute_reply":
+            assert out[parent]["reply"] is None, f"two replies to {parent}"
+            out[parent]["reply"], out[parent]["order"] = content, replies
+            replies += 1
+        elif kind == "status" and content["execution_state"] == "idle":
+            out[parent]["idle"] = True
+    return out
+
+
+async def test_hibernated_kernel_has_no_process_and_wakes_on_the_next_cells(
+        notebook, jp_serverapp):
+    nb = notebook
+    await nb.execute(SETUP)
+    old_root = root_of(jp_serverapp, nb.kernel_id)
+    done = await hibernate(nb)
+    assert done["state"] == "hibernated"
+    assert await state_of(nb) == "hibernated"
+    # no process: the tree is gone, the kernel is still the server's, with the same id
+    assert root_of(jp_serverapp, nb.kernel_id) is None
+    assert not psutil.pid_exists(old_root)
+    r = await nb.fetch("api", "kernels", nb.kernel_id)
+    assert json.loads(r.body)["id"] == nb.kernel_id
+    history = await nb.history()
+    assert done["commit"] in {c["id"] for c in history["commits"]}
+
+    # five cells at once: the first wakes the kernel; all run, in order, once each
+    ids = [nb.send_execute(f"runs.append({i}); print(len(runs), x, random.random(), "
+                           f"float(rng.random()))") for i in range(5)]
+    got = await answers(nb, ids)
+    py, npr = random.Random(3), np.random.default_rng(5)
+    for i, msg_id in enumerate(ids):
+        assert got[msg_id]["error"] is None, got[msg_id]
+        assert got[msg_id]["order"] == i
+        assert got[msg_id]["reply"]["status"] == "ok"
+        assert got[msg_id]["stdout"].split() == [str(i + 1), "41", repr(py.random()),
+                                                 repr(float(npr.random()))]
+    counts = [got[m]["reply"]["execution_count"] for m in ids]
+    assert counts == list(range(counts[0], counts[0] + 5))
+    assert await state_of(nb) == "running"
+    assert await nb.value("runs") == [0, 1, 2, 3, 4]
+    assert psutil.pid_exists(root_of(jp_serverapp, nb.kernel_id))
+
+
+async def test_a_busy_kernel_is_never_hibernated(notebook, jp_serverapp, tmp_path):
+    nb = notebook
+    flag = tmp_path / "go"
+    await nb.execute("import os, time")
+    cell = nb.send_execute(f"while not os.path.exists({str(flag)!r}): time.sleep(0.01)\n"
+                           "print('finished')")
+    while jp_serverapp.kernel_manager.get_kernel(nb.kernel_id).execution_state != "busy":
+        await asyncio.sleep(0.01)
+    manager(jp_serverapp).busy_timeout = 0.5  # the cell runs until the flag: any wait ends busy
+    r = await nb.post("hibernate", {"kernel_id": nb.kernel_id})
+    assert r.code == 409 and json.loads(r.body)["reason"] == "kernel_busy", r.body
+    # the idle policy, however long the "idle" time, leaves a busy kernel alone
+    hib = manager(jp_serverapp).hibernation
+    manager(jp_serverapp).hibernate_after = 1.0
+    await hib.tick(time.time() + 3600)
+    assert await state_of(nb) == "running"
+    flag.touch()
+    out = await nb.collect(cell)
+    assert out["stdout"] == "finished\n" and out["reply"]["status"] == "ok"
+    # once idle (as the server sees it), the same policy hibernates it
+    manager(jp_serverapp).busy_timeout = 60.0
+    while jp_serverapp.kernel_manager.get_kernel(nb.kernel_id).execution_state != "idle":
+        await asyncio.sleep(0.01)
+    await hib.tick(time.time() + 3600)
+    assert await state_of(nb) == "hibernated"
+    assert await nb.value("x if 'x' in dir() else 'no x'") == "no x"
+    assert await state_of(nb) == "running"
+
+
+async def test_a_failed_wake_answers_with_the_reason_and_a_later_one_works(
+        notebook, jp_serverapp, monkeypatch):
+    nb = notebook
+    await nb.execute("x = 7\nruns = []")
+    await hibernate(nb)
+    socket = os.environ["INFINIJUP_HELPER_SOCKET"]
+    monkeypatch.setenv("INFINIJUP_HELPER_SOCKET", "/nonexistent/helper.sock")  # helper gone
+    first = nb.send_execute("runs.append('first')")
+    got = await answers(nb, [first])
+    assert got[first]["reply"]["status"] == "error"
+    assert "could not wake" in got[first]["error"], got[first]
+    assert await state_of(nb) == "hibernated"
+    monkeypatch.setenv("INFINIJUP_HELPER_SOCKET", socket)  # the helper is back
+    second = nb.send_execute("runs.append('second'); print(x, runs)")
+    got = await answers(nb, [second])
+    assert got[second]["reply"]["status"] == "ok", got[second]
+    # the failed request never ran; the second ran once, on the hibernated state
+    assert got[second]["stdout"] == "7 ['second']\n"
+
+
+async def test_percent_hibernate_waits_for_its_cell_then_the_idle_ticker_is_not_needed(
+        notebook, jp_serverapp):
+    nb = notebook
+    await nb.execute("y = 'kept'")
+    out = await nb.execute("%hibernate")
+    assert "hibernates once this cell is done" in out["stdout"]
+    deadline = time.monotonic() + 300
+    while await state_of(nb) != "hibernated":
+        assert time.monotonic() < deadline, "the kernel did not hibernate after %hibernate"
+        await asyncio.sleep(0.1)
+    assert root_of(jp_serverapp, nb.kernel_id) is None
+    assert await nb.value("y") == "kept"
