@@ -28,6 +28,8 @@ def _load_jupyter_server_extension(serverapp) -> None:  # noqa: ANN001 - jupyter
 
     async def cleanup_kernels() -> None:  # a stopping server keeps hibernated kernels' records
         manager.hibernation.stopping = True
+        if manager.hibernate_on_shutdown:
+            await manager.hibernation.hibernate_all()
         await stop_kernels()
 
     serverapp.cleanup_kernels = cleanup_kernels

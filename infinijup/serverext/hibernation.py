@@ -207,6 +207,18 @@ class Hibernation:
             self._remove_record(kernel_id)
         self._notify(kernel_id, error="the kernel was shut down while it was hibernated")
 
+    async def hibernate_all(self) -> None:
+        """The server stops: hibernate each idle kernel (a busy one is not waited for)."""
+        for kernel_id, _idle_s in self.manager.idle_kernels(time.time()):
+            rest = self.rests.get(kernel_id)
+            if rest is not None and rest.state != RELEASED:
+                continue
+            try:
+                await self.hibernate(kernel_id, reason="server stopping")
+            except Exception as exc:
+                self.manager.log.warning("infinijup: kernel %s not hibernated at shutdown: %s",
+                                         kernel_id, getattr(exc, "message", exc))
+
     # --- idle policy -------------------------------------------------------------------------
     def start(self, interval: float) -> None:
         """Check for idle kernels every ``interval`` s, once the server's loop runs (only when

@@ -17,7 +17,7 @@ import time
 import uuid
 from pathlib import Path
 
-from traitlets import Float, Integer, Unicode, default
+from traitlets import Bool, Float, Integer, Unicode, default
 from traitlets.config import LoggingConfigurable
 
 from .. import __version__, config
@@ -78,6 +78,11 @@ class SnapshotManager(LoggingConfigurable):
     gpu_release_after = Float(0.0, help="Seconds a GPU kernel may stay idle before its GPU "
                                         "memory moves to host memory, freeing the GPU; the next "
                                         "cell brings it back (0: never).").tag(config=True)
+    hibernate_on_shutdown = Bool(False, help="Hibernate every idle Infinijup kernel when the "
+                                             "server stops (a JupyterHub idle culler, a "
+                                             "restart): the next server wakes each on the "
+                                             "notebook's next cell. A kernel that is running a "
+                                             "cell is not waited for.").tag(config=True)
     idle_check_interval = Float(10.0, help="Seconds between two checks for idle kernels."
                                 ).tag(config=True)
 
