@@ -493,8 +493,10 @@ class ServerProcess:
     and runtime dirs, the given helper socket and store."""
 
     def __init__(self, base: Path, helper_socket: str, store: str, notebook_dir: Path,
-                 extra_env: dict[str, str] | None = None, user: Any = None) -> None:
-        """``user``: run the server (and so its kernels) as that account, with the system
+                 extra_env: dict[str, str] | None = None, user: Any = None,
+                 manager_config: dict[str, Any] | None = None) -> None:
+        """``manager_config``: more SnapshotManager settings (say, ``hibernate_on_shutdown``).
+        ``user``: run the server (and so its kernels) as that account, with the system
         Python and this checkout's packages on PYTHONPATH (the venv's interpreter may live
         where other accounts cannot reach, e.g. under a 0700 /root)."""
         import secrets
@@ -523,7 +525,8 @@ class ServerProcess:
                           "allow_root": True, "root_dir": str(notebook_dir),
                           "allow_unauthenticated_access": False},
             "IdentityProvider": {"token": self.token},
-            "SnapshotManager": {"busy_timeout": BUSY_TIMEOUT, "store_path": store}}))
+            "SnapshotManager": {"busy_timeout": BUSY_TIMEOUT, "store_path": store,
+                                **(manager_config or {})}}))
         self.env = {**os.environ, "JUPYTER_CONFIG_DIR": str(config), "JUPYTER_DATA_DIR": str(data),
                     "JUPYTER_PATH": str(data), "JUPYTER_RUNTIME_DIR": str(self.runtime),
                     "INFINIJUP_HELPER_SOCKET": helper_socket, "INFINIJUP_STORE": store,
@@ -593,6 +596,18 @@ class ServerProcess:
             "path": path, "type": "notebook", "name": path, "kernel": {"name": "infinijup"}})
         assert code == 201, body
         return body["kernel"]["id"]
+
+    async def websocket(self, kernel_id: str):
+        """The kernel's websocket, as a notebook opens it (JSON messages, the server's token)."""
+        import uuid
+
+        from tornado.httpclient import HTTPRequest
+        from tornado.websocket import websocket_connect
+
+        url = (f"ws://127.0.0.1:{self.port}/api/kernels/{kernel_id}/channels"
+               f"?session_id={uuid.uuid4().hex}")
+        return await websocket_connect(HTTPRequest(
+            url, headers={"Authorization": f"token {self.token}"}))
 
     def kernel_client(self, kernel_id: str):
         """A blocking client on the kernel's own connection file (helperkit's Kernel)."""
