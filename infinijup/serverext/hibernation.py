@@ -40,6 +40,7 @@ class Rest:
     fresh: bool = False  # a new kernel standing in for one hibernated by an earlier server
     wake: asyncio.Future | None = None
     entered: asyncio.Event = field(default_factory=asyncio.Event)  # into rest, or gave up
+    vram: dict[str, int] = field(default_factory=dict)  # a released kernel's bytes, by GPU
 
 
 class Hibernation:
@@ -154,6 +155,7 @@ class Hibernation:
         self.rests[kernel_id] = rest = Rest(RELEASED)
         state = self.manager.event_state(kernel_id, "release")
         try:
+            rest.vram = await self.manager.gpu_held(kernel_id)
             detail = await self.manager.release_gpu(kernel_id)
         except BaseException as exc:
             self.rests.pop(kernel_id, None)
@@ -175,6 +177,7 @@ class Hibernation:
         t0 = time.perf_counter()
         try:
             if before == RELEASED:
+                await self._make_room(kernel_id, rest.vram)
                 await self.manager.reacquire_gpu(kernel_id)
             else:
                 await self.manager.wake_from(kernel_id, rest.commit, fresh=rest.fresh)
@@ -189,6 +192,31 @@ class Hibernation:
         self.restored(kernel_id)
         self.manager.event(state, "done", kernel_state="running", commit=rest.commit,
                            message=f"awake in {time.perf_counter() - t0:.2f} s")
+
+    async def _make_room(self, kernel_id: str, need: dict[str, int]) -> None:
+        """Before a released kernel takes its GPU memory back: release the least recently
+        active idle kernels that hold memory on the GPUs short of it, until it fits (never a
+        busy kernel; if that is not enough, the reacquire fails and says so)."""
+        if not need:
+            return
+        tried: set[str] = set()
+        while True:
+            free = await self.manager.gpu_free()
+            short = {g for g, n in need.items() if n > free.get(g, 0)}
+            if not short:
+                return
+            idle = sorted(self.manager.idle_kernels(time.time()), key=lambda k: -k[1])
+            for other, _idle_s in idle:
+                if other == kernel_id or other in self.rests or other in tried:
+                    continue
+                tried.add(other)
+                if short & set(await self.manager.gpu_held(other)):
+                    self.manager.log.info("infinijup: releasing idle kernel %s to make room "
+                                          "for %s", other, kernel_id)
+                    await self.release(other)
+                    break
+            else:
+                return
 
     def restored(self, kernel_id: str) -> None:
         """A restore gave the kernel a process again and it answers (a wake, or a restore the

@@ -48,6 +48,7 @@ from ..errors import (
     PreflightRefused,
     RestoreFailed,
 )
+from ..gpu import room
 from ..gpu.restore_rules import plan_gpu_restore
 from ..helper_client import HelperClient
 from ..kernel_key import user_kernel_key
@@ -170,6 +171,13 @@ class SnapshotManager(LoggingConfigurable):
     def uses_gpu(self, kernel_id: str) -> bool:
         prov = self._provisioner(self._kernel(kernel_id))
         return prov.root_pid is not None and _uses_cuda(prov.root_pid)
+
+    async def gpu_held(self, kernel_id: str) -> dict[str, int]:
+        prov = self._provisioner(self._kernel(kernel_id))
+        return await asyncio.to_thread(room.held_by_tree, prov.root_pid)
+
+    async def gpu_free(self) -> dict[str, int]:
+        return await asyncio.to_thread(room.free_by_gpu)
 
     async def release_gpu(self, kernel_id: str) -> dict:
         prov = self._provisioner(self._kernel(kernel_id))

@@ -1,0 +1,44 @@
+"""How much GPU memory is free, and how much a kernel holds (NVML), for making room on a GPU
+before a released kernel takes its memory back (serverext/hibernation.py)."""
+
+from __future__ import annotations
+
+import os
+
+
+def free_by_gpu() -> dict[str, int]:
+    """Free bytes of each GPU, by UUID."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        out = {}
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            uuid = pynvml.nvmlDeviceGetUUID(h)
+            uuid = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+            out[uuid] = int(pynvml.nvmlDeviceGetMemoryInfo(h).free)
+        return out
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def held_by_tree(root: int) -> dict[str, int]:
+    """Bytes the processes of the tree at ``root`` hold on each GPU, by UUID."""
+    from .preflight import read_nvml
+
+    return read_nvml().usage_by_gpu(set(_tree(root)))
+
+
+def _tree(root: int) -> list[int]:
+    pids, queue = [], [root]
+    while queue:
+        pid = queue.pop()
+        pids.append(pid)
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    queue.extend(int(x) for x in f.read().split())
+        except OSError:
+            continue
+    return pids
