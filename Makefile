@@ -33,7 +33,7 @@ test: setup helper
 	$(MAKE) test-frontend
 	$(MAKE) test-ui
 
-setup: system-deps criu venv frontend $(STAMPS)/install
+setup: system-deps criu venv frontend $(STAMPS)/install $(STAMPS)/hub-proxy
 
 # --- system packages (root) -------------------------------------------------------------
 system-deps: $(STAMPS)/system-deps
@@ -73,6 +73,11 @@ $(STAMPS)/install: $(STAMPS)/venv $(STAMPS)/frontend pyproject.toml
 	PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/jupyter labextension develop --overwrite . >/dev/null
 	$(VENV)/bin/jupyter server extension enable --sys-prefix infinijup >/dev/null
 	$(VENV)/bin/jupyter kernelspec install --sys-prefix --name infinijup jupyter-config/kernels/infinijup >/dev/null
+	@mkdir -p $(STAMPS) && touch $@
+
+# --- JupyterHub's proxy for tests/hub (configurable-http-proxy, node; kept in the checkout) ---
+$(STAMPS)/hub-proxy: tests/hub/proxy/package.json $(wildcard tests/hub/proxy/package-lock.json)
+	cd tests/hub/proxy && npm ci --no-audit --no-fund --loglevel=error
 	@mkdir -p $(STAMPS) && touch $@
 
 # --- the privileged helper (root) --------------------------------------------------------
