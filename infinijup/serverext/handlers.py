@@ -211,6 +211,19 @@ class HibernateHandler(InfinijupHandler):
                         status=202 if from_kernel else 200)
 
 
+class ReleaseHandler(InfinijupHandler):
+    @tornado.web.authenticated
+    @allowed
+    async def post(self) -> None:
+        try:
+            body = self.body()
+            kernel_id = _str(body, "kernel_id", required=True)
+            self.own_kernel(kernel_id)
+        except InfinijupError as exc:
+            return await self.call(_raise(exc))
+        await self.call(self.manager.release(kernel_id))
+
+
 class WakeHandler(InfinijupHandler):
     @tornado.web.authenticated
     @allowed
@@ -255,6 +268,7 @@ def setup_handlers(web_app) -> None:
         ("resume", ResumeHandler),
         ("branch", BranchHandler),
         ("hibernate", HibernateHandler),
+        ("release", ReleaseHandler),
         ("wake", WakeHandler),
         ("history", HistoryHandler),
         ("status", StatusHandler),

@@ -211,6 +211,10 @@ class SnapshotManager(LoggingConfigurable):
         self._spawn(run())
         return {"kernel_id": kernel_id, "state": "hibernating"}
 
+    async def release(self, kernel_id: str) -> dict:
+        self._provisioner(self._kernel(kernel_id))
+        return await self.hibernation.release(kernel_id)
+
     async def wake(self, kernel_id: str) -> dict:
         self._kernel(kernel_id)
         await self.hibernation.wake_soon(kernel_id)

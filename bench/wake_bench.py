@@ -1,0 +1,130 @@
+"""Wake times of idle kernels (issue 14), through a real `jupyter server` and the notebook's
+websocket, as a user meets them: the time of the first answered cell after
+
+- a GPU release (VRAM moved to host memory in place; the cell brings it back), and
+- a hibernation (snapshot to the store, process ended; the cell restores it),
+
+for CPU kernels holding 0.1 / 1 / 4 GiB of array data and GPU kernels holding 2 / 8 / 20 GB of
+VRAM. Also the time the hibernation and the release themselves take. Prints a markdown table
+(medians of --repeat). Run as root with CRIU and the venv in place:
+
+    python bench/wake_bench.py [--cpu-mib 100 1024 4096] [--gpu-gb 2 8 20] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "tests" / "helper"), str(ROOT / "tests" / "reliability"),
+                str(ROOT / "bench")]
+from benchkit import markdown_table  # noqa: E402
+from helperkit import HelperDaemon, make_base  # noqa: E402
+from reliakit import ServerProcess  # noqa: E402
+
+
+async def run_cell(ws, code: str, timeout: float = 1200) -> float:
+    """Send one execute request; seconds until its reply and its outputs are in."""
+    msg_id = uuid.uuid4().hex
+    ws.write_message(json.dumps({
+        "header": {"msg_id": msg_id, "msg_type": "execute_request", "username": "bench",
+                   "session": uuid.uuid4().hex, "date": "", "version": "5.3"},
+        "parent_header": {}, "metadata": {}, "channel": "shell", "buffers": [],
+        "content": {"code": code, "silent": False, "store_history": True,
+                    "user_expressions": {}, "allow_stdin": False, "stop_on_error": True}}))
+    t0 = time.perf_counter()
+    reply = idle = False
+    while not (reply and idle):
+        raw = await asyncio.wait_for(ws.read_message(), timeout)
+        if raw is None:
+            raise RuntimeError("the websocket closed")
+        msg = json.loads(raw)
+        if msg.get("parent_header", {}).get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "execute_reply":
+            if msg["content"]["status"] != "ok":
+                raise RuntimeError(f"cell failed: {msg['content']}")
+            reply = True
+        elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            idle = True
+    return time.perf_counter() - t0
+
+
+def post(server: ServerProcess, route: str, kernel_id: str) -> float:
+    t0 = time.perf_counter()
+    code, body = server.request("POST", f"/infinijup/{route}", {"kernel_id": kernel_id})
+    if code != 200:
+        raise RuntimeError(f"{route}: {code} {body}")
+    return time.perf_counter() - t0
+
+
+async def one_size(server: ServerProcess, kind: str, nbytes: int, repeat: int) -> dict:
+    kernel_id = server.open_session(f"bench-{kind}-{nbytes}.ipynb")
+    ws = await server.websocket(kernel_id)
+    if kind == "cpu":
+        fill = (f"import numpy as np\n"
+                f"a = np.random.default_rng(0).integers(0, 255, {nbytes}, dtype=np.uint8)")
+    else:
+        fill = (f"import torch\ng = torch.Generator(device='cuda').manual_seed(0)\n"
+                f"t = torch.randint(0, 255, ({nbytes},), dtype=torch.uint8, device='cuda', "
+                f"generator=g)\ntorch.cuda.synchronize()")
+    await run_cell(ws, fill)
+    times: dict[str, list[float]] = {k: [] for k in
+                                     ("release", "release_wake", "hibernate", "hibernate_wake")}
+    for _ in range(repeat):
+        if kind == "gpu":
+            times["release"].append(post(server, "release", kernel_id))
+            times["release_wake"].append(await run_cell(ws, "1"))
+        times["hibernate"].append(post(server, "hibernate", kernel_id))
+        times["hibernate_wake"].append(await run_cell(ws, "1"))
+    ws.close()
+    server.request("DELETE", f"/api/kernels/{kernel_id}")
+    return {k: statistics.median(v) if v else None for k, v in times.items()}
+
+
+async def main_async(args) -> None:
+    base = make_base()
+    helper = HelperDaemon(base / "helper")
+    (base / "helper").mkdir()
+    helper.__post_init__()
+    helper.start()
+    server = ServerProcess(base / "server", helper.socket_path, str(base / "store"),
+                           base / "notebooks")
+    server.start()
+    rows = []
+    try:
+        sizes = [("cpu", m * 2**20, f"CPU {m} MiB") for m in args.cpu_mib] + \
+                [("gpu", int(g * 10**9), f"GPU {g} GB") for g in args.gpu_gb]
+        for kind, nbytes, label in sizes:
+            r = await one_size(server, kind, nbytes, args.repeat)
+            rows.append({"kernel": label, **{k: "-" if v is None else f"{v:.2f} s"
+                                             for k, v in r.items()}})
+            print(rows[-1], flush=True)
+    finally:
+        server.stop()
+        helper.stop()
+        shutil.rmtree(base, ignore_errors=True)
+    print(markdown_table(rows, [("kernel", "kernel"), ("release", "GPU release"),
+                                ("release_wake", "first cell after release"),
+                                ("hibernate", "hibernate (snapshot + end)"),
+                                ("hibernate_wake", "first cell after hibernate")]))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cpu-mib", type=int, nargs="*", default=[100, 1024, 4096])
+    p.add_argument("--gpu-gb", type=float, nargs="*", default=[])
+    p.add_argument("--repeat", type=int, default=3)
+    asyncio.run(main_async(p.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
