@@ -9,4 +9,5 @@ export namespace CommandIDs {
   export const showHistory = 'infinijup:show-history';
   export const refresh = 'infinijup:refresh-history';
   export const toggleCollapse = 'infinijup:toggle-collapse';
+  export const hibernate = 'infinijup:hibernate';
 }

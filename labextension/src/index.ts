@@ -15,8 +15,9 @@ import {
   showDialog
 } from '@jupyterlab/apputils';
 import { PathExt } from '@jupyterlab/coreutils';
-import { INotebookTracker } from '@jupyterlab/notebook';
+import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
+import { IStatusBar } from '@jupyterlab/statusbar';
 import type { ReadonlyPartialJSONObject } from '@lumino/coreutils';
 
 import {
@@ -34,6 +35,9 @@ import { HistoryModel } from './model';
 import { CHANGE_KERNEL_COMMAND, HistoryPanel } from './panel';
 import { INotifier, INotifyOptions, ProgressTracker } from './progress';
 import { InfinijupClient } from './request';
+import { RestActions } from './restActions';
+import { RestStates } from './restState';
+import { RestClient, RestIndicator, RestToolbarExtension } from './restStatus';
 import { parseOperationEvent } from './types';
 
 export { CommandIDs } from './commandids';
@@ -86,13 +90,14 @@ const plugin: JupyterFrontEndPlugin<void> = {
     'Snapshot, restore and branch whole running kernels (Infinijup), with a history graph.',
   autoStart: true,
   requires: [INotebookTracker],
-  optional: [ISettingRegistry, ICommandPalette, ILayoutRestorer],
+  optional: [ISettingRegistry, ICommandPalette, ILayoutRestorer, IStatusBar],
   activate: (
     app: JupyterFrontEnd,
     tracker: INotebookTracker,
     settingRegistry: ISettingRegistry | null,
     palette: ICommandPalette | null,
-    restorer: ILayoutRestorer | null
+    restorer: ILayoutRestorer | null,
+    statusBar: IStatusBar | null
   ) => {
     const { commands, serviceManager, shell } = app;
     const api = new InfinijupClient(serviceManager.serverSettings);
@@ -144,10 +149,37 @@ const plugin: JupyterFrontEndPlugin<void> = {
       }
     });
 
+    // Hibernation (issue 14): the kernels' rest states.
+    const restStates = new RestStates(
+      new RestClient(serviceManager.serverSettings)
+    );
+    const restActions = new RestActions(restStates, notifier);
+    const restTarget = (args: ReadonlyPartialJSONObject) => {
+      const notebook = actions.notebook(args.notebookId);
+      const kernel = actions.kernelOf(notebook);
+      return notebook
+        ? {
+            name: PathExt.basename(notebook.context.path),
+            kernel,
+            managed: !!kernel && managed.isManaged(kernel)
+          }
+        : null;
+    };
+    const restOptions = {
+      states: restStates,
+      onWake: (notebook: NotebookPanel, kernelId: string) => {
+        void restActions.wake(
+          PathExt.basename(notebook.context.path),
+          kernelId
+        );
+      }
+    };
+
     // Live updates: snapshots from %snapshot, other tabs, progress phases.
     const events = serviceManager.events;
     if (events) {
       events.stream.connect((_, emission) => {
+        restStates.handleEmission(emission);
         const event = parseOperationEvent(emission);
         if (!event) {
           return;
@@ -164,14 +196,34 @@ const plugin: JupyterFrontEndPlugin<void> = {
 
     // The panel.
     const panel = new HistoryPanel({ model, actions, commands });
+    const restBanner = new RestIndicator({
+      ...restOptions,
+      className: 'jp-Infinijup-rest-banner'
+    });
+    panel.insertWidget(1, restBanner);
     shell.add(panel, 'right', { rank: 650, type: 'Kernel History' });
     if (restorer) {
       restorer.add(panel, 'infinijup-history');
     }
     const follow = () => {
       panel.setNotebook(tracker.currentWidget);
+      restBanner.setNotebook(tracker.currentWidget);
+      restStatusItem?.setNotebook(tracker.currentWidget);
       commands.notifyCommandChanged();
     };
+    const restStatusItem = statusBar
+      ? new RestIndicator({
+          ...restOptions,
+          className: 'jp-Infinijup-rest-statusbar'
+        })
+      : null;
+    if (statusBar && restStatusItem) {
+      statusBar.registerStatusItem('infinijup:rest-state', {
+        item: restStatusItem,
+        align: 'left',
+        rank: 2
+      });
+    }
     tracker.currentChanged.connect(follow);
     follow();
 
@@ -180,9 +232,14 @@ const plugin: JupyterFrontEndPlugin<void> = {
       'Notebook',
       new SnapshotButtonExtension(commands, actions)
     );
+    app.docRegistry.addWidgetExtension(
+      'Notebook',
+      new RestToolbarExtension(restOptions)
+    );
 
     const refreshCommands = () => commands.notifyCommandChanged();
     managed.changed.connect(refreshCommands);
+    restStates.changed.connect(refreshCommands);
     actions.busyChanged.connect(refreshCommands);
 
     /** The commit a command acts on. */
@@ -312,8 +369,26 @@ const plugin: JupyterFrontEndPlugin<void> = {
       }
     });
 
+    commands.addCommand(CommandIDs.hibernate, {
+      label: 'Hibernate Kernel',
+      caption:
+        'Save the kernel to a snapshot and end its process (no memory, no GPU); the next cell wakes it',
+      // Enabled on any notebook: on one that cannot hibernate, it says why.
+      isEnabled: args => {
+        const target = restTarget(args);
+        return (
+          !!target &&
+          (!target.kernel ||
+            !target.managed ||
+            restActions.canHibernate(target))
+        );
+      },
+      execute: args => restActions.hibernate(restTarget(args))
+    });
+
     if (palette) {
       for (const command of [
+        CommandIDs.hibernate,
         CommandIDs.snapshot,
         CommandIDs.restore,
         CommandIDs.branch,
