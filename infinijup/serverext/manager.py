@@ -532,7 +532,8 @@ class SnapshotManager(LoggingConfigurable):
             except RestoreFailed as exc:
                 pid = await self._find_orphan(km, prov, exc)
                 if pid is None:
-                    await self._recover(km, prov, exc)
+                    if not prov.hibernated:  # a hibernated kernel stays so, to wake later
+                        await self._recover(km, prov, exc)
                     raise
                 phases = {"adopted": True}
             prov.attach(pid)
