@@ -44,7 +44,9 @@ class InfinijupProvisioner(LocalProvisioner):
 
     @property
     def has_process(self) -> bool:
-        return self.tracked is not None
+        # A hibernated or restoring kernel counts as running: jupyter_client's restarter would
+        # otherwise take it for dead and start a fresh one beside it.
+        return self.tracked is not None or self.hibernated or self.restoring
 
     def helper(self) -> HelperClient:
         return HelperClient(config.helper_socket())

@@ -86,6 +86,9 @@ async def test_hibernated_kernel_has_no_process_and_wakes_on_the_next_cells(
     # no process: the tree is gone, the kernel is still the server's, with the same id
     assert root_of(jp_serverapp, nb.kernel_id) is None
     assert not psutil.pid_exists(old_root)
+    # alive to jupyter_client, so its restarter does not start a fresh kernel in its place
+    km = jp_serverapp.kernel_manager.get_kernel(nb.kernel_id)
+    assert km.has_kernel and await km.is_alive()
     r = await nb.fetch("api", "kernels", nb.kernel_id)
     assert json.loads(r.body)["id"] == nb.kernel_id
     history = await nb.history()
