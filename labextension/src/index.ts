@@ -221,7 +221,9 @@ const plugin: JupyterFrontEndPlugin<void> = {
       statusBar.registerStatusItem('infinijup:rest-state', {
         item: restStatusItem,
         align: 'left',
-        rank: 2
+        rank: 2,
+        isActive: () => restStatusItem.isResting,
+        activeStateChanged: restStatusItem.restingChanged
       });
     }
     tracker.currentChanged.connect(follow);

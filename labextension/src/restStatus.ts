@@ -11,6 +11,7 @@ import type { DocumentRegistry } from '@jupyterlab/docregistry';
 import type { INotebookModel, NotebookPanel } from '@jupyterlab/notebook';
 import { ServerConnection } from '@jupyterlab/services';
 import { DisposableDelegate, IDisposable } from '@lumino/disposable';
+import { ISignal, Signal } from '@lumino/signaling';
 import { Widget } from '@lumino/widgets';
 
 import { requestAPI } from './request';
@@ -67,6 +68,16 @@ export class RestIndicator extends Widget {
     this.node.appendChild(this._button);
     this._states.changed.connect(this._onChanged, this);
     this._render();
+  }
+
+  /** Whether a rest state is shown (not while the kernel runs). */
+  get isResting(): boolean {
+    return this._resting;
+  }
+
+  /** Emitted when `isResting` changes (the status bar shows the item then). */
+  get restingChanged(): ISignal<this, void> {
+    return this._restingChanged;
   }
 
   /** The notebook whose kernel is shown (or none). */
@@ -153,6 +164,10 @@ export class RestIndicator extends Widget {
     this.node.dataset.restState = id ? info.state : 'none';
     this.node.classList.toggle('jp-mod-resting', !!label);
     this.setHidden(!label);
+    if (this._resting !== !!label) {
+      this._resting = !!label;
+      this._restingChanged.emit();
+    }
     this._button.textContent = label?.text ?? '';
     this._button.title = label?.title ?? '';
     this._button.disabled = !label?.wakes;
@@ -174,6 +189,8 @@ export class RestIndicator extends Widget {
   private _onWake: (panel: NotebookPanel, kernelId: string) => void;
   private _button: HTMLButtonElement;
   private _notebook: NotebookPanel | null = null;
+  private _resting = false;
+  private _restingChanged = new Signal<this, void>(this);
 }
 
 export namespace RestIndicator {
