@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
+import sys
+import threading
 from pathlib import Path
 
 from .. import config
@@ -33,6 +36,12 @@ def _load_jupyter_server_extension(serverapp) -> None:  # noqa: ANN001 - jupyter
         await stop_kernels()
 
     serverapp.cleanup_kernels = cleanup_kernels
+    if manager.hibernate_on_shutdown and not (sys.stdin and sys.stdin.isatty()) and \
+            threading.current_thread() is threading.main_thread():
+        # Without a terminal, jupyter_server leaves SIGINT to Python: KeyboardInterrupt ends
+        # the loop without cleanup_kernels (no hibernation, kernels left running). JupyterHub's
+        # LocalProcessSpawner stops servers with SIGINT: stop cleanly, as on SIGTERM.
+        signal.signal(signal.SIGINT, serverapp._signal_stop)
     manager.hibernation.start(manager.idle_check_interval)
     setup_handlers(serverapp.web_app)
     serverapp.log.info("Infinijup server extension loaded (store: %s)", manager.store_path)
