@@ -96,14 +96,10 @@ async function shotRest(page: Page, testInfo: any, name: string) {
   const toolbar = await indicators(page).toolbar.boundingBox();
   const panel = await page.locator('#infinijup-history').boundingBox();
   expect(toolbar && panel).toBeTruthy();
-  const x = toolbar!.x - 120;
+  const x = toolbar!.x - 160;
+  const y = Math.min(toolbar!.y - 6, panel!.y);
   await screenshot(page, testInfo, name, {
-    clip: {
-      x,
-      y: toolbar!.y - 6,
-      width: panel!.x + panel!.width - x,
-      height: 150
-    }
+    clip: { x, y, width: panel!.x + panel!.width - x, height: 170 }
   });
 }
 
