@@ -122,6 +122,7 @@ class Hibernation:
             await self.wake_soon(kernel_id)
         self.rests[kernel_id] = rest = Rest(HIBERNATING)
         state = self.manager.event_state(kernel_id, "hibernate")
+        self.manager.event(state, "queued", kernel_state=HIBERNATING)
         try:
             # requests from notebooks are held from now on (websocket.py): nothing runs
             # between the snapshot and the end of the process
