@@ -112,11 +112,22 @@ class InfinijupProvisioner(LocalProvisioner):
         except Exception:
             return 1
 
+    def _end_hibernation(self) -> bool:
+        """Shut down (or restarted) while hibernated: nothing runs, the snapshot stays in the
+        history; the kernel is over. True if it was hibernated."""
+        if not self.hibernated:
+            return False
+        self.hibernated = False
+        if self.on_discard is not None:
+            self.on_discard()
+        return True
+
+    async def shutdown_requested(self, restart: bool = False) -> None:
+        self._end_hibernation()
+        await super().shutdown_requested(restart=restart)
+
     async def wait(self) -> int | None:
-        if self.hibernated:  # shut down while hibernated: nothing runs, the snapshot stays
-            self.hibernated = False
-            if self.on_discard is not None:
-                self.on_discard()
+        if self._end_hibernation():
             return 0
         if self.tracked is None:
             return 0
@@ -138,6 +149,7 @@ class InfinijupProvisioner(LocalProvisioner):
             await asyncio.to_thread(self.helper().signal, self.tracked.pid, signum)
 
     async def kill(self, restart: bool = False) -> None:
+        self._end_hibernation()
         if self.tracked is not None and self.tracked.alive():
             try:
                 await asyncio.to_thread(self.helper().kill, self.tracked.pid)
@@ -155,6 +167,7 @@ class InfinijupProvisioner(LocalProvisioner):
             self.tracked = None
 
     async def terminate(self, restart: bool = False) -> None:
+        self._end_hibernation()
         await self.send_signal(signal.SIGTERM)
 
     async def get_provisioner_info(self) -> dict:

@@ -173,3 +173,47 @@ async def test_percent_hibernate_waits_for_its_cell_then_the_idle_ticker_is_not_
         await asyncio.sleep(0.1)
     assert root_of(jp_serverapp, nb.kernel_id) is None
     assert await nb.value("y") == "kept"
+
+
+def records_of(jp_serverapp) -> list:
+    return list(manager(jp_serverapp).hibernation.records.glob("*.json"))
+
+
+async def test_restart_or_shutdown_of_a_hibernated_kernel_discards_it(
+        notebook, jp_serverapp):
+    nb = notebook
+    await nb.execute("x = 3")
+    await hibernate(nb)
+    assert len(records_of(jp_serverapp)) == 1
+    # a restart: a fresh kernel, the hibernation forgotten (its snapshot stays in the history)
+    r = await nb.fetch("api", "kernels", nb.kernel_id, "restart", method="POST", body="")
+    assert r.code == 200
+    assert await state_of(nb) == "running" and not records_of(jp_serverapp)
+    assert await nb.value("'x' in dir()") is False
+    commits = (await nb.history())["commits"]
+    assert [c["message"] for c in commits] == ["hibernated (asked)"]
+    # a shutdown of a hibernated kernel: nothing left, no record, no process
+    await hibernate(nb)
+    assert len(records_of(jp_serverapp)) == 1
+    r = await nb.fetch("api", "kernels", nb.kernel_id, method="DELETE")
+    assert r.code == 204
+    assert not records_of(jp_serverapp)
+    assert nb.kernel_id not in jp_serverapp.kernel_manager.list_kernel_ids()
+    nb.kernel_id = ""  # closed already
+
+
+async def test_a_wake_racing_a_second_hibernation_one_wins_cleanly(notebook, jp_serverapp):
+    nb = notebook
+    await nb.execute("n = 0")
+    await hibernate(nb)
+    cell = nb.send_execute("n += 1; print(n)")
+    r = await nb.post("hibernate", {"kernel_id": nb.kernel_id})  # while the cell wakes it
+    body = json.loads(r.body)
+    # either the hibernation came first (it is hibernated already: nothing to do) or the
+    # wake did (409, the kernel is waking); never both, never a lost or doubled cell
+    assert (r.code, body.get("state") or body.get("reason")) in {
+        (200, "hibernated"), (409, "kernel_waking")}, (r.code, body)
+    got = await answers(nb, [cell])
+    assert got[cell]["reply"]["status"] == "ok" and got[cell]["stdout"] == "1\n", got[cell]
+    assert await state_of(nb) == "running"
+    assert await nb.value("n") == 1
