@@ -174,7 +174,7 @@ class Trees:
                     with open(f"/proc/{pid}/stat") as f:
                         if f.read().rsplit(")", 1)[1].split()[0] == "Z":
                             break
-                except FileNotFoundError:
+                except (FileNotFoundError, ProcessLookupError):  # gone (or going: ESRCH)
                     break
                 time.sleep(0.01)
 
@@ -306,7 +306,7 @@ def children_of(pid: int) -> list[int]:
         for tid in os.listdir(f"/proc/{pid}/task"):
             with open(f"/proc/{pid}/task/{tid}/children") as f:
                 out += [int(x) for x in f.read().split()]
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # a process being reaped reads ESRCH
         pass
     return out
 
