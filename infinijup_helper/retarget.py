@@ -125,9 +125,12 @@ def _busy_listeners(image: dict, taken: dict[int, int]) -> dict[int, int]:
 
 def _write_image(criu: Criu, dir_fd: int, image: dict) -> None:
     tmp = f".{FILES_IMAGE}.retarget"
+    # CRIU restores as the images' owner (creds.py): the new image is theirs, like the old one
+    old = os.stat(FILES_IMAGE, dir_fd=dir_fd, follow_symlinks=False)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                  0o600, dir_fd=dir_fd)
     try:
+        os.fchown(fd, old.st_uid, old.st_gid)
         with os.fdopen(fd, "wb") as f:
             criu.pycriu.images.dump(image, f)
         os.rename(tmp, FILES_IMAGE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)

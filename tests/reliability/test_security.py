@@ -300,6 +300,15 @@ def test_second_account_snapshots_restores_and_branches_its_own_kernel(other_ser
                                            {"kernel_id": kernel_id})
         assert code == 201 and snap2["thread"] == "other-path", snap2
         assert snap2["parents"] == [snap["commit"]]
+        # resumed into a new kernel of theirs (the helper rewrites the images' ports for it)
+        code, resumed = other_server.request("POST", "/infinijup/resume", {
+            "path": "mine.ipynb", "commit": snap["commit"], "new_notebook": True})
+        assert code == 200, resumed
+        copy = other_server.kernel_client(resumed["kernel_id"])
+        try:
+            assert copy.evaluate(x="x")["x"] == "'first'"
+        finally:
+            copy.close()
         # the kernel's own %snapshot, signed with its message key, as the second account
         kernel.execute("%snapshot -w -m 'from the kernel'", timeout=120)
         code, hist = other_server.request("GET", f"/infinijup/history?kernel_id={kernel_id}")
