@@ -112,12 +112,18 @@ class RestingKernelConnection(ZMQChannelsWebsocketConnection):
         reply_type = request[: -len("_request")] + "_reply"
         content = {"status": "error", "ename": "KernelNotAwake", "evalue": error,
                    "traceback": [error]}
+        # what a kernel would send: busy, the error, the reply, idle (a notebook marks the
+        # cell done only with both the reply and the idle status)
+        self._send(self.session.msg("status", content={"execution_state": "busy"},
+                                    parent=parent), "iopub")
         if request == "execute_request":
             content["execution_count"] = None
             self._send(self.session.msg("error", content={k: content[k] for k in
                                                           ("ename", "evalue", "traceback")},
                                         parent=parent), "iopub")
         self._send(self.session.msg(reply_type, content=content, parent=parent), channel)
+        self._send(self.session.msg("status", content={"execution_state": "idle"},
+                                    parent=parent), "iopub")
 
     def _send(self, msg: dict, channel: str) -> None:
         try:

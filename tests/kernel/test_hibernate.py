@@ -44,15 +44,15 @@ async def hibernate(nb) -> dict:
 async def answers(nb, msg_ids: list[str], timeout: float = 300) -> dict[str, dict]:
     """Every message of several requests sent at once: {msg_id: {stdout, error, reply,
     order}}, ``order`` being the position of its execute_reply among all replies. Done when
-    each has its reply and (run or not) its outputs: iopub's idle, or an error reply."""
+    each has its reply and its idle status (a request that could not run gets both too: a
+    notebook needs both to mark the cell done)."""
     out = {m: {"stdout": "", "error": None, "reply": None, "order": None, "idle": False}
            for m in msg_ids}
     replies = 0
     deadline = time.monotonic() + timeout
 
     def complete(v: dict) -> bool:
-        return v["reply"] is not None and (v["idle"] or (v["reply"]["status"] == "error" and
-                                                         v["error"] is not None))
+        return v["reply"] is not None and v["idle"]
 
     while not all(complete(v) for v in out.values()):
         raw = await asyncio.wait_for(nb.ws.read_message(), deadline - time.monotonic())
