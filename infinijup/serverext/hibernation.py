@@ -198,7 +198,7 @@ class Hibernation:
         """Before a released kernel takes its GPU memory back: release the least recently
         active idle kernels that hold memory on the GPUs short of it, until it fits (never a
         busy kernel; if that is not enough, the reacquire fails and says so)."""
-        if not need:
+        if not need or not self.manager.make_room_on_wake:
             return
         tried: set[str] = set()
         while True:

@@ -84,6 +84,11 @@ class SnapshotManager(LoggingConfigurable):
                                              "restart): the next server wakes each on the "
                                              "notebook's next cell. A kernel that is running a "
                                              "cell is not waited for.").tag(config=True)
+    make_room_on_wake = Bool(True, help="When a released kernel's GPU memory does not fit back "
+                                        "on its GPUs, release the least recently active idle "
+                                        "kernels holding memory there first (never a busy "
+                                        "one). Off: the wake fails with the reason."
+                             ).tag(config=True)
     idle_check_interval = Float(10.0, help="Seconds between two checks for idle kernels."
                                 ).tag(config=True)
 
