@@ -1,0 +1,106 @@
+"""Issue 13's first measurement: how fast PyTorch's CUDA memory leaves the GPU and comes back
+through Infinijup's VMM allocator (infinijup/gpu/vmm.py), next to the physical floor (a pinned
+device-to-host copy) and the CUDA driver's own checkpoint of the same process (what snapshots
+and GPU release use today). Checks that every tensor keeps its address and bytes. Prints a
+markdown table. On a GPU machine, with libinfinijup_vmm.so built:
+
+    cc -O2 -shared -fPIC -o infinijup/gpu/libinfinijup_vmm.so infinijup/gpu/vmm_alloc.c -ldl -lpthread
+    python bench/vmm_probe.py [--gb 2 8 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+
+def child(gb: float) -> None:
+    """One fresh process per size (the allocator must be in place before CUDA allocates)."""
+    from infinijup.gpu import vmm
+
+    vmm.install()
+    import hashlib
+
+    import torch
+
+    n = int(gb * 10**9) // 2
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, dtype=torch.bfloat16, device="cuda", generator=g)
+    w = torch.randn(4096, 4096, device="cuda", generator=g)
+    ptrs = (x.data_ptr(), w.data_ptr())
+
+    def digest() -> str:
+        return hashlib.sha256(x[:: 1 << 16].float().cpu().numpy().tobytes() +
+                              w.cpu().numpy().tobytes()).hexdigest()
+
+    before = digest()
+    torch.cuda.synchronize()
+    pinned = torch.empty_like(x, device="cpu").pin_memory()
+    t0 = time.perf_counter()
+    pinned.copy_(x)
+    torch.cuda.synchronize()
+    floor = time.perf_counter() - t0
+    del pinned
+    free0 = torch.cuda.mem_get_info()[0]
+    t0 = time.perf_counter()
+    moved = vmm.sleep()
+    t_sleep = time.perf_counter() - t0
+    freed = torch.cuda.mem_get_info()[0] - free0
+    t0 = time.perf_counter()
+    vmm.wake()
+    t_wake = time.perf_counter() - t0
+    assert (x.data_ptr(), w.data_ptr()) == ptrs
+    assert digest() == before, "contents changed"
+    assert float((w @ w.T).trace()) > 0  # the GPU computes on the woken memory
+    print(f"ROW {gb} {moved} {freed} {floor:.3f} {t_sleep:.3f} {t_wake:.3f}", flush=True)
+    # the driver's checkpoint of the same process, for comparison (the parent does it)
+    print(f"DRIVER {os.getpid()}", flush=True)
+    sys.stdin.readline()
+    assert digest() == before
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gb", type=float, nargs="*", default=[2, 8, 20])
+    p.add_argument("--child", type=float)
+    args = p.parse_args()
+    if args.child is not None:
+        return child(args.child)
+    rows = []
+    for gb in args.gb:
+        proc = subprocess.Popen([sys.executable, __file__, "--child", str(gb)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        row = proc.stdout.readline().split()
+        driver = proc.stdout.readline().split()
+        t_drv = None
+        if driver and driver[0] == "DRIVER":
+            from infinijup.gpu import driver as cuda_driver
+
+            pid = int(driver[1])
+            t0 = time.perf_counter()
+            try:
+                cuda_driver.suspend(pid, 30000)  # lock + checkpoint: VRAM to host memory
+                t_drv = time.perf_counter() - t0
+                cuda_driver.resume(pid)
+            except Exception as exc:  # noqa: BLE001 - reported in the table
+                print(f"driver checkpoint of a VMM process failed: {exc}", file=sys.stderr)
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        proc.wait()
+        _, _, moved, freed, floor, t_sleep, t_wake = row
+        rows.append((gb, int(moved), int(freed), float(floor), float(t_sleep), float(t_wake),
+                     t_drv))
+    print("| tensors | moved | GPU memory freed | pinned copy (floor) | VMM sleep | VMM wake "
+          "| driver checkpoint (lock+checkpoint) |")
+    print("|---|---|---|---|---|---|---|")
+    for gb, moved, freed, floor, t_sleep, t_wake, t_drv in rows:
+        drv = f"{t_drv:.2f} s" if t_drv is not None else "n/a"
+        print(f"| {gb:g} GB | {moved / 1e9:.2f} GB | {freed / 1e9:.2f} GB | {floor:.3f} s | "
+              f"{t_sleep:.3f} s | {t_wake:.3f} s | {drv} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""PyTorch's CUDA memory on Infinijup's VMM allocator (vmm_alloc.c), first step of issue 13.
+
+``install()`` puts every CUDA allocation of the calling thread into a MemPool whose segments
+come from ``vmm_alloc.c`` (CUDA virtual memory: reserved addresses, physical memory mapped
+under them). ``sleep()`` copies the segments to pinned host memory and frees the GPU memory
+without moving a single address; ``wake()`` maps new physical memory at the same addresses and
+copies the contents back. Must be installed before PyTorch's first CUDA allocation.
+
+Not wired into snapshots yet: this module and ``bench/vmm_probe.py`` measure what the path can
+do next to the driver's checkpoint.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+LIB_ENV = "INFINIJUP_VMM_LIB"
+_state: dict = {}
+
+
+def library_path() -> str:
+    return os.environ.get(LIB_ENV) or str(Path(__file__).with_name("libinfinijup_vmm.so"))
+
+
+def _lib() -> ctypes.CDLL:
+    if "lib" not in _state:
+        lib = ctypes.CDLL(library_path())
+        lib.ij_sleep.restype = ctypes.c_longlong
+        lib.ij_wake.restype = ctypes.c_longlong
+        _state["lib"] = lib
+    return _state["lib"]
+
+
+def install(device: int = 0) -> None:
+    """Route this thread's CUDA allocations on ``device`` to the VMM allocator."""
+    import torch
+
+    if "pool" in _state:
+        return
+    allocator = torch.cuda.memory.CUDAPluggableAllocator(library_path(), "ij_malloc", "ij_free")
+    pool = torch.cuda.MemPool(allocator.allocator())
+    context = torch.cuda.use_mem_pool(pool, device=device)
+    context.__enter__()
+    _state.update(pool=pool, context=context, allocator=allocator)
+
+
+def sleep() -> int:
+    """Bytes moved to host memory; the GPU memory under them is free."""
+    moved = _lib().ij_sleep()
+    if moved < 0:
+        raise RuntimeError(f"VMM sleep failed (CUDA error {_lib().ij_last_error()})")
+    return int(moved)
+
+
+def wake() -> int:
+    moved = _lib().ij_wake()
+    if moved < 0:
+        raise RuntimeError(f"VMM wake failed (CUDA error {_lib().ij_last_error()})")
+    return int(moved)
+
+
+def stats() -> dict[str, int]:
+    count, total, mapped = ctypes.c_longlong(), ctypes.c_longlong(), ctypes.c_longlong()
+    _lib().ij_stats(ctypes.byref(count), ctypes.byref(total), ctypes.byref(mapped))
+    return {"segments": count.value, "bytes": total.value, "on_gpu": mapped.value}

@@ -1,0 +1,253 @@
+/*
+ * Infinijup's CUDA allocator for PyTorch (issue 13, first step): segments backed by CUDA
+ * virtual memory management, so that a snapshot can move their contents to host memory at
+ * copy-engine speed and give the physical memory back, and a wake can map it again at the same
+ * virtual addresses (every tensor pointer stays valid).
+ *
+ * PyTorch calls ij_malloc / ij_free through torch.cuda.memory.CUDAPluggableAllocator, under its
+ * caching allocator (a MemPool): they see segments, not tensors. ij_sleep / ij_wake / ij_stats
+ * are called from Python (ctypes) while the kernel is quiesced.
+ *
+ * No CUDA headers are needed to build it: the few driver types are declared here and the driver
+ * is opened with dlopen, so it builds on a machine without CUDA:
+ *     cc -O2 -shared -fPIC -o libinfinijup_vmm.so vmm_alloc.c -ldl -lpthread
+ */
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/types.h>
+
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+typedef unsigned long long CUmemHandle;
+typedef void *CUcontext;
+typedef int CUdevice;
+
+typedef struct {
+    int type; /* CU_MEM_LOCATION_TYPE_DEVICE = 1 */
+    int id;
+} CUmemLocation;
+
+typedef struct {
+    int type;                 /* CU_MEM_ALLOCATION_TYPE_PINNED = 1 */
+    int requestedHandleTypes; /* CU_MEM_HANDLE_TYPE_NONE = 0 */
+    CUmemLocation location;
+    void *win32HandleMetaData;
+    struct {
+        unsigned char compressionType;
+        unsigned char gpuDirectRDMACapable;
+        unsigned short usage;
+        unsigned char reserved[4];
+    } allocFlags;
+} CUmemAllocationProp;
+
+typedef struct {
+    CUmemLocation location;
+    int flags; /* CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3 */
+} CUmemAccessDesc;
+
+static struct {
+    CUresult (*ctx_get_current)(CUcontext *);
+    CUresult (*ctx_set_current)(CUcontext);
+    CUresult (*device_get)(CUdevice *, int);
+    CUresult (*primary_ctx_retain)(CUcontext *, CUdevice);
+    CUresult (*granularity)(size_t *, const CUmemAllocationProp *, int);
+    CUresult (*address_reserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+    CUresult (*address_free)(CUdeviceptr, size_t);
+    CUresult (*create)(CUmemHandle *, size_t, const CUmemAllocationProp *, unsigned long long);
+    CUresult (*release)(CUmemHandle);
+    CUresult (*map)(CUdeviceptr, size_t, size_t, CUmemHandle, unsigned long long);
+    CUresult (*unmap)(CUdeviceptr, size_t);
+    CUresult (*set_access)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+    CUresult (*alloc_host)(void **, size_t);
+    CUresult (*free_host)(void *);
+    CUresult (*dtoh)(void *, CUdeviceptr, size_t);
+    CUresult (*htod)(CUdeviceptr, const void *, size_t);
+    CUresult (*synchronize)(void);
+} cu;
+
+typedef struct Segment {
+    CUdeviceptr ptr;
+    size_t size;   /* rounded up to the granularity */
+    int device;
+    CUmemHandle handle;
+    int mapped;    /* 0 while asleep: the contents are in host */
+    void *host;    /* pinned host copy while asleep */
+    struct Segment *next;
+} Segment;
+
+static Segment *segments;
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static CUresult last_error;
+static int loaded = -1;
+
+static int load(void) {
+    if (loaded >= 0) return loaded;
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    loaded = 0;
+    if (!lib) return 0;
+#define SYM(field, name) if (!(*(void **)&cu.field = dlsym(lib, name))) return 0
+    SYM(ctx_get_current, "cuCtxGetCurrent");
+    SYM(ctx_set_current, "cuCtxSetCurrent");
+    SYM(device_get, "cuDeviceGet");
+    SYM(primary_ctx_retain, "cuDevicePrimaryCtxRetain");
+    SYM(granularity, "cuMemGetAllocationGranularity");
+    SYM(address_reserve, "cuMemAddressReserve");
+    SYM(address_free, "cuMemAddressFree");
+    SYM(create, "cuMemCreate");
+    SYM(release, "cuMemRelease");
+    SYM(map, "cuMemMap");
+    SYM(unmap, "cuMemUnmap");
+    SYM(set_access, "cuMemSetAccess");
+    SYM(alloc_host, "cuMemAllocHost_v2");
+    SYM(free_host, "cuMemFreeHost");
+    SYM(dtoh, "cuMemcpyDtoH_v2");
+    SYM(htod, "cuMemcpyHtoD_v2");
+    SYM(synchronize, "cuCtxSynchronize");
+#undef SYM
+    loaded = 1;
+    return 1;
+}
+
+#define CHECK(call) do { CUresult r_ = (call); if (r_ != 0) { last_error = r_; goto fail; } } while (0)
+
+static int ensure_context(int device) {
+    CUcontext ctx = 0;
+    if (cu.ctx_get_current(&ctx) == 0 && ctx) return 1;
+    CUdevice dev;
+    if (cu.device_get(&dev, device) != 0 || cu.primary_ctx_retain(&ctx, dev) != 0) return 0;
+    return cu.ctx_set_current(ctx) == 0;
+}
+
+static CUmemAllocationProp prop_for(int device) {
+    CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof prop);
+    prop.type = 1;
+    prop.location.type = 1;
+    prop.location.id = device;
+    return prop;
+}
+
+/* Back [ptr, ptr + size) with new physical memory of `device`, read-write. */
+static int map_physical(Segment *s) {
+    CUmemAllocationProp prop = prop_for(s->device);
+    CUmemAccessDesc access = {{1, s->device}, 3};
+    CHECK(cu.create(&s->handle, s->size, &prop, 0));
+    if (cu.map(s->ptr, s->size, 0, s->handle, 0) != 0) {
+        cu.release(s->handle);
+        goto fail;
+    }
+    if (cu.set_access(s->ptr, s->size, &access, 1) != 0) {
+        cu.unmap(s->ptr, s->size);
+        cu.release(s->handle);
+        goto fail;
+    }
+    s->mapped = 1;
+    return 1;
+fail:
+    return 0;
+}
+
+void *ij_malloc(ssize_t size, int device, void *stream) {
+    (void)stream;
+    if (!load() || !ensure_context(device)) return NULL;
+    CUmemAllocationProp prop = prop_for(device);
+    size_t gran = 0;
+    if (cu.granularity(&gran, &prop, 0) != 0 || gran == 0) return NULL;
+    Segment *s = calloc(1, sizeof *s);
+    if (!s) return NULL;
+    s->size = ((size_t)size + gran - 1) / gran * gran;
+    s->device = device;
+    CHECK(cu.address_reserve(&s->ptr, s->size, gran, 0, 0));
+    if (!map_physical(s)) {
+        cu.address_free(s->ptr, s->size);
+        goto fail;
+    }
+    pthread_mutex_lock(&lock);
+    s->next = segments;
+    segments = s;
+    pthread_mutex_unlock(&lock);
+    return (void *)(uintptr_t)s->ptr;
+fail:
+    free(s);
+    return NULL;
+}
+
+void ij_free(void *ptr, ssize_t size, int device, void *stream) {
+    (void)size; (void)device; (void)stream;
+    pthread_mutex_lock(&lock);
+    Segment **at = &segments;
+    while (*at && (*at)->ptr != (CUdeviceptr)(uintptr_t)ptr) at = &(*at)->next;
+    Segment *s = *at;
+    if (s) *at = s->next;
+    pthread_mutex_unlock(&lock);
+    if (!s) return;
+    if (s->mapped) {
+        cu.unmap(s->ptr, s->size);
+        cu.release(s->handle);
+    }
+    if (s->host) cu.free_host(s->host);
+    cu.address_free(s->ptr, s->size);
+    free(s);
+}
+
+/* Copy every segment to pinned host memory and give its physical memory back; the virtual
+ * addresses stay reserved. Returns the bytes moved, or -1 (error in ij_last_error; segments
+ * already moved stay asleep, the others stay on the GPU: ij_wake brings back what slept). */
+long long ij_sleep(void) {
+    long long moved = 0;
+    if (!load()) return -1;
+    pthread_mutex_lock(&lock);
+    if (cu.synchronize() != 0) goto fail_locked;
+    for (Segment *s = segments; s; s = s->next) {
+        if (!s->mapped) continue;
+        if (cu.alloc_host(&s->host, s->size) != 0) { s->host = NULL; goto fail_locked; }
+        if (cu.dtoh(s->host, s->ptr, s->size) != 0) goto fail_locked;
+        cu.unmap(s->ptr, s->size);
+        cu.release(s->handle);
+        s->mapped = 0;
+        moved += (long long)s->size;
+    }
+    pthread_mutex_unlock(&lock);
+    return moved;
+fail_locked:
+    pthread_mutex_unlock(&lock);
+    return -1;
+}
+
+/* Map every sleeping segment again at its address and copy its contents back. */
+long long ij_wake(void) {
+    long long moved = 0;
+    if (!load()) return -1;
+    pthread_mutex_lock(&lock);
+    for (Segment *s = segments; s; s = s->next) {
+        if (s->mapped) continue;
+        if (!ensure_context(s->device) || !map_physical(s)) goto fail_locked;
+        if (cu.htod(s->ptr, s->host, s->size) != 0) goto fail_locked;
+        cu.free_host(s->host);
+        s->host = NULL;
+        moved += (long long)s->size;
+    }
+    pthread_mutex_unlock(&lock);
+    return moved;
+fail_locked:
+    pthread_mutex_unlock(&lock);
+    return -1;
+}
+
+/* Segments and bytes, in total and on the GPU now. */
+void ij_stats(long long *count, long long *bytes, long long *mapped_bytes) {
+    long long n = 0, b = 0, m = 0;
+    pthread_mutex_lock(&lock);
+    for (Segment *s = segments; s; s = s->next) {
+        n++;
+        b += (long long)s->size;
+        if (s->mapped) m += (long long)s->size;
+    }
+    pthread_mutex_unlock(&lock);
+    *count = n; *bytes = b; *mapped_bytes = m;
+}
+
+int ij_last_error(void) { return last_error; }
