@@ -61,6 +61,11 @@ def wake() -> int:
     return int(moved)
 
 
+def keep_host(keep: bool) -> None:
+    """Keep the pinned host copies between snapshots (twice the memory, sleeps at copy speed)."""
+    _lib().ij_keep_host(int(keep))
+
+
 def stats() -> dict[str, int]:
     count, total, mapped = ctypes.c_longlong(), ctypes.c_longlong(), ctypes.c_longlong()
     _lib().ij_stats(ctypes.byref(count), ctypes.byref(total), ctypes.byref(mapped))

@@ -80,6 +80,7 @@ typedef struct Segment {
 
 static Segment *segments;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static int keep_host; /* keep the pinned copies after a wake: the next sleep only copies */
 static CUresult last_error;
 static int loaded = -1;
 
@@ -203,7 +204,7 @@ long long ij_sleep(void) {
     if (cu.synchronize() != 0) goto fail_locked;
     for (Segment *s = segments; s; s = s->next) {
         if (!s->mapped) continue;
-        if (cu.alloc_host(&s->host, s->size) != 0) { s->host = NULL; goto fail_locked; }
+        if (!s->host && cu.alloc_host(&s->host, s->size) != 0) { s->host = NULL; goto fail_locked; }
         if (cu.dtoh(s->host, s->ptr, s->size) != 0) goto fail_locked;
         cu.unmap(s->ptr, s->size);
         cu.release(s->handle);
@@ -226,8 +227,10 @@ long long ij_wake(void) {
         if (s->mapped) continue;
         if (!ensure_context(s->device) || !map_physical(s)) goto fail_locked;
         if (cu.htod(s->ptr, s->host, s->size) != 0) goto fail_locked;
-        cu.free_host(s->host);
-        s->host = NULL;
+        if (!keep_host) {
+            cu.free_host(s->host);
+            s->host = NULL;
+        }
         moved += (long long)s->size;
     }
     pthread_mutex_unlock(&lock);
@@ -251,3 +254,7 @@ void ij_stats(long long *count, long long *bytes, long long *mapped_bytes) {
 }
 
 int ij_last_error(void) { return last_error; }
+
+/* 1: pinned host copies stay allocated after a wake (host memory holds a second copy of the
+ * GPU memory, and later sleeps skip pinning); 0: they are freed at each wake. */
+void ij_keep_host(int keep) { keep_host = keep; }
