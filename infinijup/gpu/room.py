@@ -1,5 +1,6 @@
-"""How much GPU memory is free, and how much a kernel holds (NVML), for making room on a GPU
-before a released kernel takes its memory back (serverext/hibernation.py)."""
+"""How much GPU memory is free, how much a kernel holds (NVML) and whether it uses CUDA at all,
+for the idle policy and for making room on a GPU before a released kernel takes its memory
+back (serverext/hibernation.py)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,18 @@ def held_by_tree(root: int) -> dict[str, int]:
     from .preflight import read_nvml
 
     return read_nvml().usage_by_gpu(set(_tree(root)))
+
+
+def uses_cuda(root: int) -> bool:
+    """Does any process of the tree at ``root`` map the CUDA driver?"""
+    for pid in _tree(root):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                if any("libcuda.so" in line for line in f):
+                    return True
+        except OSError:
+            continue
+    return False
 
 
 def _tree(root: int) -> list[int]:

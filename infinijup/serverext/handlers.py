@@ -211,30 +211,28 @@ class HibernateHandler(InfinijupHandler):
                         status=202 if from_kernel else 200)
 
 
-class ReleaseHandler(InfinijupHandler):
+class KernelActionHandler(InfinijupHandler):
+    """POST {"kernel_id"}: one call of the manager's ``action`` on that kernel."""
+
+    action = ""
+
     @tornado.web.authenticated
     @allowed
     async def post(self) -> None:
         try:
-            body = self.body()
-            kernel_id = _str(body, "kernel_id", required=True)
+            kernel_id = _str(self.body(), "kernel_id", required=True)
             self.own_kernel(kernel_id)
         except InfinijupError as exc:
             return await self.call(_raise(exc))
-        await self.call(self.manager.release(kernel_id))
+        await self.call(getattr(self.manager, self.action)(kernel_id))
 
 
-class WakeHandler(InfinijupHandler):
-    @tornado.web.authenticated
-    @allowed
-    async def post(self) -> None:
-        try:
-            body = self.body()
-            kernel_id = _str(body, "kernel_id", required=True)
-            self.own_kernel(kernel_id)
-        except InfinijupError as exc:
-            return await self.call(_raise(exc))
-        await self.call(self.manager.wake(kernel_id))
+class ReleaseHandler(KernelActionHandler):
+    action = "release"
+
+
+class WakeHandler(KernelActionHandler):
+    action = "wake"
 
 
 class HistoryHandler(InfinijupHandler):

@@ -37,7 +37,6 @@ class Rest:
     state: str
     commit: str | None = None  # the snapshot a hibernated kernel wakes from
     since: float = field(default_factory=time.time)
-    fresh: bool = False  # a new kernel standing in for one hibernated by an earlier server
     wake: asyncio.Future | None = None
     entered: asyncio.Event = field(default_factory=asyncio.Event)  # into rest, or gave up
     vram: dict[str, int] = field(default_factory=dict)  # a released kernel's bytes, by GPU
@@ -76,7 +75,7 @@ class Hibernation:
         for record in self._records():
             if record.get("path") == path and record.get("kernel_id") != kernel_id and \
                     record.get("kernel_id") not in self.manager.kernel_ids():
-                self.rests[kernel_id] = Rest(HIBERNATED, commit=record["commit"], fresh=True,
+                self.rests[kernel_id] = Rest(HIBERNATED, commit=record["commit"],
                                              since=record.get("since", time.time()))
                 self._move_record(record["kernel_id"], kernel_id, record)
                 self.manager.log.info("infinijup: kernel %s stands in for %s, hibernated at %s",
@@ -181,7 +180,7 @@ class Hibernation:
                 await self._make_room(kernel_id, rest.vram)
                 await self.manager.reacquire_gpu(kernel_id)
             else:
-                await self.manager.wake_from(kernel_id, rest.commit, fresh=rest.fresh)
+                await self.manager.wake_from(kernel_id, rest.commit)
         except BaseException as exc:
             rest.state, rest.wake = before, None  # still resting, still resumable
             message = getattr(exc, "message", str(exc))

@@ -175,7 +175,7 @@ class SnapshotManager(LoggingConfigurable):
 
     def uses_gpu(self, kernel_id: str) -> bool:
         prov = self._provisioner(self._kernel(kernel_id))
-        return prov.root_pid is not None and _uses_cuda(prov.root_pid)
+        return prov.root_pid is not None and room.uses_cuda(prov.root_pid)
 
     async def gpu_held(self, kernel_id: str) -> dict[str, int]:
         prov = self._provisioner(self._kernel(kernel_id))
@@ -192,7 +192,7 @@ class SnapshotManager(LoggingConfigurable):
         prov = self._provisioner(self._kernel(kernel_id))
         return await asyncio.to_thread(self.engine().reacquire_gpu, prov.root_pid)
 
-    async def wake_from(self, kernel_id: str, commit: str, fresh: bool = False) -> dict:
+    async def wake_from(self, kernel_id: str, commit: str) -> dict:
         """Bring a hibernated kernel back from its snapshot, in its own session."""
         return await self.restore(kernel_id, commit)
 
@@ -816,20 +816,3 @@ class SnapshotManager(LoggingConfigurable):
                 "last_operation": self._last.get(kernel_id),
                 "head": {"thread": self._head(kernel_id).thread,
                          "commit": self._head(kernel_id).commit}}
-
-
-def _uses_cuda(root: int) -> bool:
-    """Does any process of the kernel's tree map the CUDA driver?"""
-    queue = [root]
-    while queue:
-        pid = queue.pop()
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                if any("libcuda.so" in line for line in f):
-                    return True
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                with open(f"/proc/{pid}/task/{tid}/children") as f:
-                    queue.extend(int(x) for x in f.read().split())
-        except OSError:
-            continue
-    return False

@@ -9,6 +9,7 @@ dropped silently).
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from jupyter_server.services.kernels.connection.base import (
@@ -49,8 +50,6 @@ class RestingKernelConnection(ZMQChannelsWebsocketConnection):
     def nudge(self):
         # A resting kernel answers nothing: do not make the notebook wait for it to.
         if self.hibernation is not None and self.hibernation.holds(self.kernel_id):
-            import asyncio
-
             done = asyncio.get_running_loop().create_future()
             done.set_result(None)
             return done
