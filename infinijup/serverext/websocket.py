@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 from jupyter_server.services.kernels.connection.base import (
     deserialize_binary_message,
@@ -78,11 +79,7 @@ class RestingKernelConnection(ZMQChannelsWebsocketConnection):
             return
         if not held:
             return
-        # The woken kernel publishes on IOPub before this websocket's subscription is back
-        # (it reconnects on its own): outputs of the held requests would be lost. jupyter's
-        # nudge proves the subscription; then the requests go, in their order.
         self._held = []  # anything arriving meanwhile queues behind them
-        nudged = super().nudge()
 
         def send(_future) -> None:
             for stream in self.channels.values():
@@ -92,7 +89,37 @@ class RestingKernelConnection(ZMQChannelsWebsocketConnection):
             for raw, _channel, _header in queued:
                 super(RestingKernelConnection, self).handle_incoming_message(raw)
 
-        nudged.add_done_callback(send)
+        asyncio.ensure_future(self._subscribed()).add_done_callback(send)
+
+    async def _subscribed(self) -> None:
+        """Return once this websocket's IOPub subscription to the woken kernel is back (it
+        reconnects on its own, and a kernel publishes to nobody until it is): otherwise the
+        outputs and the idle status of the held requests could be lost. Like jupyter's nudge,
+        kernel_info requests on a channel of our own until an IOPub message arrives, but also
+        when the server believes the kernel busy (jupyter's nudge skips those; a kernel just
+        woken may seem busy only because the idle status of a request of the restore went to
+        nobody, and the held requests would go out unproven)."""
+        iopub = self.channels.get("iopub")
+        if iopub is None or iopub.closed():
+            return
+        shell = self.kernel_manager.connect_shell()
+        seen = asyncio.get_running_loop().create_future()
+
+        def on_iopub(_msg) -> None:
+            if not seen.done():
+                seen.set_result(None)
+
+        iopub.on_recv(on_iopub)
+        shell.on_recv(lambda _msg: None)
+        deadline = time.monotonic() + self.kernel_info_timeout
+        try:
+            while not seen.done() and time.monotonic() < deadline and not shell.closed():
+                self.session.send(shell, "kernel_info_request")
+                await asyncio.wait([seen], timeout=0.5)
+        finally:
+            if not iopub.closed():
+                iopub.stop_on_recv()
+            shell.close()
 
     # --- helpers ------------------------------------------------------------------------------
     def _parse(self, incoming_msg) -> tuple[str, dict]:

@@ -136,6 +136,15 @@ class Notebook:
         self.ws.write_message(json.dumps(msg))
         await self.collect(msg["header"]["msg_id"])
 
+    async def restart(self) -> None:
+        """What Lab's restart does: the REST call, then a new websocket (Lab reconnects, so its
+        channels are subscribed again before anything is sent; requests sent on the old
+        websocket while the new process binds its ports can lose their IOPub messages)."""
+        r = await self.fetch("api", "kernels", self.kernel_id, "restart", method="POST",
+                             body="{}")
+        assert r.code == 200, r.body
+        await self.reconnect()
+
     async def value(self, expr: str):
         out = await self.execute(f"print(repr({expr}))")
         return eval(out["stdout"].strip())  # noqa: S307 - our own test values

@@ -186,8 +186,7 @@ async def test_restart_or_shutdown_of_a_hibernated_kernel_discards_it(
     await hibernate(nb)
     assert len(records_of(jp_serverapp)) == 1
     # a restart: a fresh kernel, the hibernation forgotten (its snapshot stays in the history)
-    r = await nb.fetch("api", "kernels", nb.kernel_id, "restart", method="POST", body="")
-    assert r.code == 200
+    await nb.restart()
     assert await state_of(nb) == "running" and not records_of(jp_serverapp)
     assert await nb.value("'x' in dir()") is False
     commits = (await nb.history())["commits"]

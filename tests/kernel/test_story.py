@@ -260,19 +260,7 @@ async def test_history_and_restore_survive_a_kernel_restart(notebook):
     nb = notebook
     await nb.execute("kept = 'before restart'")
     a = await nb.snapshot(message="before restart")
-    r = await nb.fetch("api", "kernels", nb.kernel_id, "restart", method="POST", body="{}")
-    assert r.code == 200
-    # The first execute after a restart on an open websocket is sometimes lost (upstream
-    # Jupyter: plain python3 kernels too, while the channels resubscribe): retry it (the
-    # deadline only guards against a hang).
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            await nb.execute("fresh = True", timeout=10)
-            break
-        except (AssertionError, asyncio.TimeoutError, TimeoutError):
-            if time.monotonic() > deadline:
-                raise
+    await nb.restart()
     assert await nb.value("'kept' in globals()") is False
     hist = await nb.history()
     assert [c["id"] for c in hist["commits"]] == [a["commit"]]
