@@ -33,7 +33,11 @@ test: setup helper
 	$(MAKE) test-frontend
 	$(MAKE) test-ui
 
-setup: system-deps criu venv frontend $(STAMPS)/install $(STAMPS)/hub-proxy
+setup: system-deps criu venv frontend $(STAMPS)/install $(STAMPS)/hub-proxy infinijup/gpu/libinfinijup_vmm.so
+
+# --- the VMM allocator PyTorch's GPU memory goes on in kernels (no CUDA needed to build it) ---
+infinijup/gpu/libinfinijup_vmm.so: infinijup/gpu/vmm_alloc.c
+	cc -O2 -Wall -shared -fPIC -o $@ $< -ldl -lpthread
 
 # --- system packages (root) -------------------------------------------------------------
 system-deps: $(STAMPS)/system-deps

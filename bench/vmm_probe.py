@@ -64,6 +64,43 @@ def child(gb: float) -> None:
     print(f"DRIVER {os.getpid()}", flush=True)
     sys.stdin.readline()
     assert digest() == before
+    # the snapshot path: segments into a file of the hot tier (twice: a new file, then the
+    # same file again), the driver checkpoint of what is left, the segments back from the file
+    vmm.keep_host(False)
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir=os.environ.get("SHM", "/dev/shm")) as d:
+        path = os.path.join(d, "segments")
+        file_times = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            vmm.sleep_into(path)
+            file_times.append(time.perf_counter() - t0)
+            print(f"DRIVER {os.getpid()}", flush=True)  # the parent: checkpoint, restore
+            sys.stdin.readline()
+            t0 = time.perf_counter()
+            vmm.wake_from(path)
+            file_times.append(time.perf_counter() - t0)
+            assert (x.data_ptr(), w.data_ptr()) == ptrs
+            assert digest() == before, "contents changed"
+            assert float((w @ w.T).trace()) > 0
+    print("FILE " + " ".join(f"{t:.3f}" for t in file_times), flush=True)
+
+
+def driver_round(pid: int) -> tuple[float | None, float | None]:
+    """The driver's lock + checkpoint of the process, then its restore + unlock: seconds."""
+    from infinijup.gpu import driver as cuda_driver
+
+    try:
+        t0 = time.perf_counter()
+        cuda_driver.suspend(pid, 30000)
+        t_ckpt = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        cuda_driver.resume(pid)
+        return t_ckpt, time.perf_counter() - t0
+    except Exception as exc:  # noqa: BLE001 - reported in the table
+        print(f"driver checkpoint failed: {exc}", file=sys.stderr)
+        return None, None
 
 
 def main() -> None:
@@ -73,29 +110,26 @@ def main() -> None:
     args = p.parse_args()
     if args.child is not None:
         return child(args.child)
-    rows = []
+    rows, file_rows = [], []
     for gb in args.gb:
         proc = subprocess.Popen([sys.executable, __file__, "--child", str(gb)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         row = proc.stdout.readline().split()
         driver = proc.stdout.readline().split()
-        t_drv = None
-        if driver and driver[0] == "DRIVER":
-            from infinijup.gpu import driver as cuda_driver
-
-            pid = int(driver[1])
-            t0 = time.perf_counter()
-            try:
-                cuda_driver.suspend(pid, 30000)  # lock + checkpoint: VRAM to host memory
-                t_drv = time.perf_counter() - t0
-                cuda_driver.resume(pid)
-            except Exception as exc:  # noqa: BLE001 - reported in the table
-                print(f"driver checkpoint of a VMM process failed: {exc}", file=sys.stderr)
+        t_drv = driver_round(int(driver[1]))[0] if driver[:1] == ["DRIVER"] else None
         proc.stdin.write("\n")
         proc.stdin.flush()
+        small = []
+        for _ in range(2):  # the process with its segments in the file: what is left
+            line = proc.stdout.readline().split()
+            small.append(driver_round(int(line[1])) if line[:1] == ["DRIVER"] else (None, None))
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+        files = [float(t) for t in proc.stdout.readline().split()[1:]]
         proc.wait()
         _, _, moved, freed, floor, *times = row
         rows.append((gb, int(moved), int(freed), float(floor), [float(t) for t in times], t_drv))
+        file_rows.append((gb, files, small))
     print("| tensors | moved | GPU memory freed | pinned copy (floor) | 1st VMM sleep | wake "
           "| 2nd sleep (pinned kept) | wake | driver checkpoint (lock+checkpoint) |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -103,6 +137,17 @@ def main() -> None:
         drv = f"{t_drv:.2f} s" if t_drv is not None else "n/a"
         print(f"| {gb:g} GB | {moved / 1e9:.2f} GB | {freed / 1e9:.2f} GB | {floor:.3f} s | "
               f"{t[0]:.3f} s | {t[1]:.3f} s | {t[2]:.3f} s | {t[3]:.3f} s | {drv} |")
+    print()
+    print("| tensors | into a new file | driver ckpt of the rest | driver restore | back from "
+          "the file | into the same file again | driver ckpt | driver restore | back |")
+    print("|---|---|---|---|---|---|---|---|---|")
+
+    def fmt(t: float | None) -> str:
+        return f"{t:.3f} s" if t is not None else "n/a"
+
+    for gb, f, small in file_rows:
+        cells = [f[0], *small[0], f[1], f[2], *small[1], f[3]] if len(f) == 4 else []
+        print(f"| {gb:g} GB | " + " | ".join(fmt(t) for t in cells) + " |")
 
 
 if __name__ == "__main__":

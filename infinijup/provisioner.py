@@ -20,6 +20,7 @@ from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning.local_provisioner import LocalProvisioner
 
 from . import config
+from .gpu import arena as gpu_arena
 from .helper_client import HelperClient
 from .kernel_key import user_kernel_key
 from .process import TrackedProcess
@@ -60,6 +61,11 @@ class InfinijupProvisioner(LocalProvisioner):
         for name in _SCRUBBED_ENV:
             env.pop(name, None)
         env[config.KERNEL_ID_ENV] = str(self.kernel_id)
+        arena = await asyncio.to_thread(gpu_arena.prepare_root)
+        if arena is not None:  # PyTorch's GPU memory on the VMM allocator (gpu/arena.py)
+            env[gpu_arena.ROOT_ENV] = str(arena)
+        else:
+            env.pop(gpu_arena.ROOT_ENV, None)
         kwargs["env"] = env
         return kwargs
 
@@ -158,6 +164,7 @@ class InfinijupProvisioner(LocalProvisioner):
 
     async def end_process(self) -> None:
         """End the kernel's tree and forget it (hibernation: the kernel itself stays)."""
+        gpu_arena.remove_kernel(str(self.kernel_id))
         if self.tracked is not None:
             if self.tracked.alive():
                 await asyncio.to_thread(self.helper().kill, self.tracked.pid)
@@ -169,6 +176,10 @@ class InfinijupProvisioner(LocalProvisioner):
     async def terminate(self, restart: bool = False) -> None:
         self._end_hibernation()
         await self.send_signal(signal.SIGTERM)
+
+    async def cleanup(self, restart: bool = False) -> None:
+        await super().cleanup(restart=restart)
+        gpu_arena.remove_kernel(str(self.kernel_id))  # a fresh kernel, or none: no segments
 
     async def get_provisioner_info(self) -> dict:
         info = await super().get_provisioner_info()

@@ -11,9 +11,11 @@ running kernel is touched. Only then does the helper replace the kernel with the
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import re
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import Callable
@@ -24,6 +26,7 @@ from ..errors import InfinijupError, RestoreFailed, SnapshotFailed
 from ..process import start_time
 from ..store.errors import RefConflict
 from ..store.faults import holdpoint
+from ..store.objects import Blob, File
 from ..store.writer import entries_from_dir
 from .hot_tier import HotTier
 
@@ -44,6 +47,7 @@ class Dumped:
     pause_s: float
     phases: dict = field(default_factory=dict)  # the helper's
     gpu: dict | None = None
+    extra: dict = field(default_factory=dict)  # name -> fd of a file stored beside the images
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,29 @@ class RestoreResult:
     pid: int
     duration_s: float
     phases: dict = field(default_factory=dict)
+
+
+def _open_extra(paths: dict[str, str]) -> dict[str, int]:
+    """Open each file (never through a symlink, only one of this user), shared-locked."""
+    out: dict[str, int] = {}
+    try:
+        for name, path in paths.items():
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            out[name] = fd
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                raise SnapshotFailed(f"snapshot failed: {path} is not a file of this user")
+            fcntl.flock(fd, fcntl.LOCK_SH)
+    except OSError as exc:
+        for fd in out.values():
+            os.close(fd)
+        raise SnapshotFailed(f"snapshot failed: the kernel's {exc.filename or 'file'} cannot "
+                             f"be read: {exc.strerror}") from exc
+    except BaseException:
+        for fd in out.values():
+            os.close(fd)
+        raise
+    return out
 
 
 class SnapshotEngine:
@@ -123,6 +150,7 @@ class SnapshotEngine:
         on_progress: Progress = _no_progress,
         on_dumped: Callable[[Dumped], None] | None = None,
         replan: Callable[[RefConflict], dict] | None = None,
+        extra_files: dict[str, str] | None = None,
     ) -> DumpResult:
         """Dump the tree rooted at ``pid`` (left running) and commit it on store ``thread``.
 
@@ -130,9 +158,18 @@ class SnapshotEngine:
         images are stored. ``replan``, given the conflict when ``thread`` moved meanwhile,
         returns new ``thread``/``metadata``/``parents``/``expected_tip`` for the same images
         (the kernel may have moved on since: it is never dumped twice).
+
+        ``extra_files``: name -> path of files the kernel wrote while quiesced (its GPU
+        segments), stored beside the images. Each is held open under a shared lock from now
+        until it is stored: the kernel, running again, waits for that before writing it anew.
         """
         t0 = time.perf_counter()
         dumped = self.dump(pid, on_progress)
+        try:
+            dumped.extra.update(_open_extra(extra_files or {}))
+        except BaseException:
+            self._discard(dumped.images)
+            raise
         try:
             if on_dumped is not None:
                 on_dumped(dumped)
@@ -152,6 +189,8 @@ class SnapshotEngine:
             hot = self.keep_hot(dumped, commit)
         finally:
             self._discard(dumped.images)  # nothing left to remove when it went hot
+            for fd in dumped.extra.values():
+                os.close(fd)
         t1 = time.perf_counter()
         stats = dict(getattr(commit, "stats", {}) or {})
         return DumpResult(
@@ -200,8 +239,10 @@ class SnapshotEngine:
             holdpoint("before_ingest")
             with self.repo.writer() as w:
                 counted = _CountingWriter(w, _IngestProgress(on_progress, dumped.image_bytes))
-                top = entries_from_dir(counted, dumped.images, self._base_tree(parents, thread))
-                return w.commit(top.entries, thread=thread, message=message, metadata=meta,
+                base_tree = self._base_tree(parents, thread)
+                top = entries_from_dir(counted, dumped.images, base_tree)
+                entries = {**top.entries, **self._extra_entries(counted, dumped, base_tree)}
+                return w.commit(entries, thread=thread, message=message, metadata=meta,
                                 parents=parents, expected_tip=expected_tip)
         except InfinijupError:
             raise
@@ -215,6 +256,24 @@ class SnapshotEngine:
             raise SnapshotFailed(f"snapshot failed: {exc}") from exc
         except Exception as exc:
             raise SnapshotFailed(f"snapshot failed: {exc}") from exc
+
+    def _extra_entries(self, writer, dumped: Dumped, base_tree: str | None) -> dict:  # noqa: ANN001
+        """The extra files as tree entries, each against the parent's file of the same name
+        (most of a model's segments do not change between two snapshots)."""
+        if not dumped.extra:
+            return {}
+        old = {}
+        if base_tree is not None:
+            try:
+                old = {e.name: e for e in self.repo.get_tree(base_tree)}
+            except InfinijupError:
+                old = {}
+        out = {}
+        for name, fd in dumped.extra.items():
+            e = old.get(name)
+            base = Blob(e.id, e.size) if e is not None and e.kind == "file" else None
+            out[name] = File(writer.add_file(f"/proc/self/fd/{fd}", base=base), 0o600)
+        return out
 
     def _base_tree(self, parents: list[str], thread: str) -> str | None:
         """The tree the new images are stored against (page deltas); as Repository.commit_dir."""

@@ -29,6 +29,11 @@ def _lib() -> ctypes.CDLL:
         lib = ctypes.CDLL(library_path())
         lib.ij_sleep.restype = ctypes.c_longlong
         lib.ij_wake.restype = ctypes.c_longlong
+        lib.ij_sleep_into.restype = ctypes.c_longlong
+        lib.ij_sleep_into.argtypes = [ctypes.c_int]
+        lib.ij_wake_from.restype = ctypes.c_longlong
+        lib.ij_wake_from.argtypes = [ctypes.c_int]
+        lib.ij_mapped_bytes.restype = ctypes.c_longlong
         _state["lib"] = lib
     return _state["lib"]
 
@@ -70,3 +75,38 @@ def stats() -> dict[str, int]:
     count, total, mapped = ctypes.c_longlong(), ctypes.c_longlong(), ctypes.c_longlong()
     _lib().ij_stats(ctypes.byref(count), ctypes.byref(total), ctypes.byref(mapped))
     return {"segments": count.value, "bytes": total.value, "on_gpu": mapped.value}
+
+
+def installed() -> bool:
+    return "pool" in _state
+
+
+def sleep_into(path: str | os.PathLike) -> int:
+    """Move every segment on the GPU into the file at ``path`` (created, or reused: a file whose
+    pages are already there takes them at copy-engine speed); the GPU memory under them is
+    free. Returns the bytes in the file (0: nothing was on the GPU)."""
+    lib = _lib()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        moved = lib.ij_sleep_into(fd)
+    finally:
+        os.close(fd)
+    if moved < 0:
+        raise RuntimeError(f"VMM sleep into {path} failed (CUDA error {lib.ij_last_error()})")
+    return int(moved)
+
+
+def wake_from(path: str | os.PathLike) -> int:
+    """Map the segments moved by :func:`sleep_into` again at their addresses and fill them from
+    ``path`` (that file, or the copy a restore brought back)."""
+    lib = _lib()
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        moved = lib.ij_wake_from(fd)
+    finally:
+        os.close(fd)
+    if moved == -2:
+        raise RuntimeError(f"VMM wake: {path} is shorter than the segments it should hold")
+    if moved < 0:
+        raise RuntimeError(f"VMM wake from {path} failed (CUDA error {lib.ij_last_error()})")
+    return int(moved)

@@ -17,7 +17,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/types.h>
+#include <unistd.h>
 
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
@@ -63,6 +66,8 @@ static struct {
     CUresult (*set_access)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
     CUresult (*alloc_host)(void **, size_t);
     CUresult (*free_host)(void *);
+    CUresult (*host_register)(void *, size_t, unsigned int);
+    CUresult (*host_unregister)(void *);
     CUresult (*dtoh)(void *, CUdeviceptr, size_t);
     CUresult (*htod)(CUdeviceptr, const void *, size_t);
     CUresult (*synchronize)(void);
@@ -75,6 +80,8 @@ typedef struct Segment {
     CUmemHandle handle;
     int mapped;    /* 0 while asleep: the contents are in host */
     void *host;    /* pinned host copy while asleep */
+    int in_file;   /* asleep in the file of ij_sleep_into, at offset */
+    size_t offset;
     struct Segment *next;
 } Segment;
 
@@ -104,6 +111,8 @@ static int load(void) {
     SYM(set_access, "cuMemSetAccess");
     SYM(alloc_host, "cuMemAllocHost_v2");
     SYM(free_host, "cuMemFreeHost");
+    SYM(host_register, "cuMemHostRegister_v2");
+    SYM(host_unregister, "cuMemHostUnregister");
     SYM(dtoh, "cuMemcpyDtoH_v2");
     SYM(htod, "cuMemcpyHtoD_v2");
     SYM(synchronize, "cuCtxSynchronize");
@@ -224,7 +233,7 @@ long long ij_wake(void) {
     if (!load()) return -1;
     pthread_mutex_lock(&lock);
     for (Segment *s = segments; s; s = s->next) {
-        if (s->mapped) continue;
+        if (s->mapped || s->in_file) continue; /* (asleep in a file: ij_wake_from) */
         if (!ensure_context(s->device) || !map_physical(s)) goto fail_locked;
         if (cu.htod(s->ptr, s->host, s->size) != 0) goto fail_locked;
         if (!keep_host) {
@@ -238,6 +247,139 @@ long long ij_wake(void) {
 fail_locked:
     pthread_mutex_unlock(&lock);
     return -1;
+}
+
+/* --- segments into a file (a snapshot) and back (its resume or restore) -----------------------
+ * The file is mapped, its pages are made present by several threads at once (a new tmpfs file
+ * costs its page allocations, not the copy), the mapping is registered with the driver (pinned:
+ * copies run at copy-engine speed; pinning pages already present is cheap), and unregistered and
+ * unmapped before returning: the process keeps no trace of it, CRIU has no GPU bytes to dump. */
+
+#define POPULATE_THREADS 8
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+typedef struct { char *base; size_t len; int write; } Span;
+
+static void *populate_span(void *arg) {
+    Span *sp = arg;
+    if (sp->write && madvise(sp->base, sp->len, MADV_POPULATE_WRITE) == 0) return NULL;
+    volatile char sink = 0;
+    for (size_t off = 0; off < sp->len; off += 4096) {
+        if (sp->write) sp->base[off] = sp->base[off];
+        else sink ^= sp->base[off];
+    }
+    (void)sink;
+    return NULL;
+}
+
+static void populate(char *base, size_t len, int write) {
+    pthread_t threads[POPULATE_THREADS];
+    Span spans[POPULATE_THREADS];
+    size_t step = (len / POPULATE_THREADS + 4095) / 4096 * 4096;
+    int started = 0;
+    for (int i = 0; i < POPULATE_THREADS && (size_t)i * step < len; i++) {
+        size_t off = (size_t)i * step;
+        spans[i] = (Span){base + off, off + step > len ? len - off : step, write};
+        if (pthread_create(&threads[i], NULL, populate_span, &spans[i]) == 0) started |= 1 << i;
+        else populate_span(&spans[i]);
+    }
+    for (int i = 0; i < POPULATE_THREADS; i++)
+        if (started & (1 << i)) pthread_join(threads[i], NULL);
+}
+
+/* Map `len` bytes of `fd` and pin them for the driver; NULL on failure. */
+static char *map_file(int fd, size_t len, int write) {
+    char *base = mmap(NULL, len, write ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, fd, 0);
+    if (base == MAP_FAILED) return NULL;
+    populate(base, len, write);
+    /* CU_MEMHOSTREGISTER_READ_ONLY (8) for a file only read; unregistered copies still work */
+    if (cu.host_register(base, len, write ? 0 : 8) != 0) *(volatile char *)base = base[0];
+    return base;
+}
+
+static void unmap_file(char *base, size_t len) {
+    cu.host_unregister(base);
+    munmap(base, len);
+}
+
+/* Like ij_sleep, but into the file `fd` (resized to the bytes on the GPU): segment after
+ * segment, in list order, each at its offset. Returns the bytes moved, or -1 (segments already
+ * moved stay in the file; ij_wake_from brings them back). */
+long long ij_sleep_into(int fd) {
+    size_t end = 0;
+    if (!load()) return -1;
+    pthread_mutex_lock(&lock);
+    for (Segment *s = segments; s; s = s->next) end += s->mapped ? s->size : 0;
+    if (end == 0) { pthread_mutex_unlock(&lock); return 0; }
+    struct stat st;
+    if (fstat(fd, &st) != 0 || ((size_t)st.st_size != end && ftruncate(fd, (off_t)end) != 0))
+        goto fail_locked;
+    if (cu.synchronize() != 0) goto fail_locked;
+    char *base = map_file(fd, end, 1);
+    if (!base) goto fail_locked;
+    size_t len = end;
+    end = 0;
+    for (Segment *s = segments; s; s = s->next) {
+        if (!s->mapped) continue;
+        if (cu.dtoh(base + end, s->ptr, s->size) != 0) { unmap_file(base, len); goto fail_locked; }
+        cu.unmap(s->ptr, s->size);
+        cu.release(s->handle);
+        s->mapped = 0;
+        s->in_file = 1;
+        s->offset = end;
+        end += s->size;
+    }
+    unmap_file(base, len);
+    pthread_mutex_unlock(&lock);
+    return (long long)end;
+fail_locked:
+    pthread_mutex_unlock(&lock);
+    return -1;
+}
+
+/* Map the segments ij_sleep_into moved again at their addresses, and fill them from the file
+ * `fd` (the same file, or the copy a restore brought back). Returns the bytes moved, or -1
+ * (-2: the file is shorter than the segments it should hold). */
+long long ij_wake_from(int fd) {
+    long long moved = 0;
+    size_t need = 0;
+    if (!load()) return -1;
+    pthread_mutex_lock(&lock);
+    for (Segment *s = segments; s; s = s->next)
+        if (!s->mapped && s->in_file && s->offset + s->size > need) need = s->offset + s->size;
+    if (need == 0) { pthread_mutex_unlock(&lock); return 0; }
+    struct stat st;
+    if (fstat(fd, &st) != 0) goto fail_locked;
+    if ((size_t)st.st_size < need) { pthread_mutex_unlock(&lock); return -2; }
+    char *base = map_file(fd, need, 0);
+    if (!base) goto fail_locked;
+    for (Segment *s = segments; s; s = s->next) {
+        if (s->mapped || !s->in_file) continue;
+        if (!ensure_context(s->device) || !map_physical(s) ||
+            cu.htod(s->ptr, base + s->offset, s->size) != 0) {
+            unmap_file(base, need);
+            goto fail_locked;
+        }
+        s->in_file = 0;
+        moved += (long long)s->size;
+    }
+    unmap_file(base, need);
+    pthread_mutex_unlock(&lock);
+    return moved;
+fail_locked:
+    pthread_mutex_unlock(&lock);
+    return -1;
+}
+
+/* Bytes of the segments on the GPU now: the size ij_sleep_into needs. */
+long long ij_mapped_bytes(void) {
+    long long m = 0;
+    pthread_mutex_lock(&lock);
+    for (Segment *s = segments; s; s = s->next) m += s->mapped ? (long long)s->size : 0;
+    pthread_mutex_unlock(&lock);
+    return m;
 }
 
 /* Segments and bytes, in total and on the GPU now. */

@@ -10,7 +10,7 @@ __all__ = ["register_quiesce_hook", "register_resume_hook", "unregister_hook", "
 def load_ipython_extension(ipython) -> None:  # noqa: ANN001 - IPython's own type
     # Everything the server's agent and the magics use is imported now, at start-up: a module
     # first imported by a snapshot would be a change the user can see in sys.modules.
-    from . import agent, describe, isolation, retarget  # noqa: F401
+    from . import agent, describe, gpu_vmm, isolation, retarget  # noqa: F401
     from .gpu_sync import synchronize_gpus
     from .magics import InfinijupMagics
 

@@ -52,12 +52,13 @@ def quiesce() -> str:
     return _answer(ip, info)
 
 
-def resume(restored: bool = False, committed: bool = True) -> str:
+def resume(restored: bool = False, committed: bool = True, segments: str | None = None) -> str:
     """Run the resume hooks. ``committed`` False: the snapshot is still being stored (the
-    kernel goes on after its dump), so a failed ingest can still ``forget`` it."""
+    kernel goes on after its dump), so a failed ingest can still ``forget`` it. ``segments``:
+    the restored snapshot's GPU segments (gpu_vmm.py)."""
     ip = _shell()
     try:
-        info = hooks.run_resume(bool(restored))
+        info = hooks.run_resume(bool(restored), segments if isinstance(segments, str) else None)
     except Exception as exc:
         info = {"hook_errors": [str(exc)]}
     if committed:
@@ -110,6 +111,19 @@ def _clean_release(report: object) -> dict:
     return out
 
 
+def _clean_segments(report: object) -> dict:
+    """gpu_vmm.offload's report: bytes moved into the arena file, or why not."""
+    if not isinstance(report, dict):
+        return {}
+    if isinstance(report.get("fallback"), str):
+        return {"fallback": report["fallback"][:300]}
+    out = {k: report[k] for k in ("bytes", "segments")
+           if type(report.get(k)) is int and report[k] >= 0}
+    if isinstance(report.get("seconds"), (int, float)) and report["seconds"] >= 0:
+        out["seconds"] = float(report["seconds"])
+    return out if out.get("bytes") else {}
+
+
 def commit_metadata(info: object) -> dict:
     """For the server: the commit metadata from a kernel's description (``quiesce``'s answer or
     the body of ``%snapshot``'s request), checked field by field since a kernel sent it:
@@ -126,6 +140,9 @@ def commit_metadata(info: object) -> dict:
     released = _clean_release(info.get("gpu_release"))
     if released:
         out["gpu_release"] = released
+    segments = _clean_segments(info.get("gpu_segments"))
+    if segments:
+        out["gpu_segments"] = segments
     variables = info.get("variables")
     if isinstance(variables, dict) and isinstance(variables.get("items"), list):
         raw = variables["items"]

@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from . import gpu_sync
+from . import gpu_sync, gpu_vmm
 
 QuiesceHook = Callable[[], object]
 ResumeHook = Callable[[bool], object]
@@ -63,15 +63,29 @@ def run_quiesce() -> dict:
             pass
     # Last, once every hook has finished its GPU work: what the GPU libraries cache unused.
     released = gpu_sync.release_cached_memory()
-    info: dict = {"quiesce_s": time.perf_counter() - t0, "hook_errors": errors}
+    info: dict = {"hook_errors": errors}
     if released:
         info["gpu_release"] = released
+    # Then what is live: PyTorch's segments into the kernel's arena file (gpu_vmm.py)
+    try:
+        segments = gpu_vmm.offload()
+    except Exception as exc:
+        segments = {"fallback": f"{type(exc).__name__}: {exc}"}
+    if segments:
+        info["gpu_segments"] = segments
+    info["quiesce_s"] = time.perf_counter() - t0
     return info
 
 
-def run_resume(restored: bool) -> dict:
+def run_resume(restored: bool, segments: str | None = None) -> dict:
+    """Bring the GPU segments back (from ``segments``, a restore's copy, or the arena file),
+    then run every resume hook."""
     t0 = time.perf_counter()
     errors = []
+    try:
+        gpu_vmm.bring_back(restored, segments)
+    except Exception as exc:
+        errors.append(f"GPU segments: {exc}")
     for hook in list(_resume_hooks):
         try:
             hook(restored)

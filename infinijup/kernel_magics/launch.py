@@ -18,6 +18,9 @@ def main() -> None:
     from .isolation import install
 
     install()  # the kernel's own random draws (banner tips...) stay off the user's `random`
+    from .gpu_vmm import arm
+
+    arm()  # PyTorch's CUDA memory on the VMM allocator, once the user initializes CUDA
 
     argv = sys.argv[1:]
     if not any(a.startswith("--ext") for a in argv):

@@ -66,8 +66,9 @@ class InfinijupMagics(Magics):
                 described = True
             except Exception:  # a commit without a description rather than no commit
                 pass
-            if quiesced.get("gpu_release"):
-                body.setdefault("metadata", {})["gpu_release"] = quiesced["gpu_release"]
+            for key in ("gpu_release", "gpu_segments"):
+                if quiesced.get(key):
+                    body.setdefault("metadata", {})[key] = quiesced[key]
             if args.thread:
                 body["thread"] = args.thread
             request("POST", "/infinijup/snapshot", body)

@@ -47,7 +47,9 @@ from ..errors import (
     NotFound,
     PreflightRefused,
     RestoreFailed,
+    SnapshotFailed,
 )
+from ..gpu import arena as gpu_arena
 from ..gpu import room
 from ..gpu.restore_rules import plan_gpu_restore
 from ..helper_client import HelperClient
@@ -380,8 +382,9 @@ class SnapshotManager(LoggingConfigurable):
                      "running_again_s": state.get("running_again_s"),
                      "store_s": result.phases.get("store_s"), "hot": result.hot,
                      "duration_s": time.perf_counter() - t0}
-            if described.get("gpu_release"):
-                stats["gpu_release"] = described["gpu_release"]
+            for key in ("gpu_release", "gpu_segments"):
+                if described.get(key):
+                    stats[key] = described[key]
             return {"commit": commit.id, "thread": plan.thread, "parents": list(commit.parents),
                     "stats": stats}
         except InfinijupError as exc:
@@ -440,17 +443,25 @@ class SnapshotManager(LoggingConfigurable):
             return plan_now()
 
         target = await asyncio.to_thread(plan_now)
+        extra = {}
+        if (described or {}).get("gpu_segments", {}).get("bytes"):
+            arena = gpu_arena.segments_path(km.kernel_id)
+            if arena is None:
+                raise SnapshotFailed("snapshot failed: the kernel moved its GPU segments, but "
+                                     "this server has no GPU arena", reason="gpu_arena")
+            extra[gpu_arena.IMAGE_NAME] = arena
         self._emit(state, "dump", 30)
         result = await asyncio.to_thread(
             self.engine().snapshot, prov.root_pid, message=message,
-            on_progress=self._progress(state), replan=replan,
+            on_progress=self._progress(state), replan=replan, extra_files=extra,
             on_dumped=(lambda d: on_dumped(d, planned["plan"].thread)) if on_dumped else None,
             **target)
         return result, planned["plan"]
 
-    async def _resume(self, km, restored: bool, committed: bool = True) -> None:
+    async def _resume(self, km, restored: bool, committed: bool = True,
+                      segments: str | None = None) -> None:
         try:
-            await run_agent(km, agent.expression("resume", restored, committed),
+            await run_agent(km, agent.expression("resume", restored, committed, segments),
                             self.busy_timeout)
         except InfinijupError as exc:
             self.log.warning("infinijup: resume hooks of %s: %s", km.kernel_id, exc.message)
@@ -517,6 +528,7 @@ class SnapshotManager(LoggingConfigurable):
                                             force=force, requested=gpu_map)
         state = await self._begin(kernel_id, "restore", path)
         t0 = time.perf_counter()
+        segments: str | None = None
         try:
             if wait_idle:
                 await self._wait_idle(km)
@@ -524,6 +536,7 @@ class SnapshotManager(LoggingConfigurable):
             engine = self.engine()
             source: dict = {}
             images = await asyncio.to_thread(engine.materialize, commit_id, source)
+            segments = gpu_arena.set_aside(images)  # engine.restore removes the images
             info = km.get_connection_info()
             ports = [info[k] for k in ("shell_port", "iopub_port", "stdin_port", "control_port")]
             connected = connections_to(ports)
@@ -556,7 +569,7 @@ class SnapshotManager(LoggingConfigurable):
                 await run_agent(km, adopt_expression(kernel_id, self.serverapp.connection_url,
                                                    str(config.results_dir())),
                                 self.busy_timeout)
-            await self._resume(km, restored=True)
+            await self._resume(km, restored=True, segments=segments)
             self.hibernation.restored(kernel_id)  # a hibernated kernel restored: awake
             commit_thread = (commit.metadata or {}).get("thread", DEFAULT_THREAD)
             if branch is not None:
@@ -574,6 +587,8 @@ class SnapshotManager(LoggingConfigurable):
             raise
         finally:
             prov.restoring = False
+            if segments is not None:
+                gpu_arena.discard(segments)
             self._end(state)
 
     async def _wait_idle(self, km) -> None:

@@ -1,0 +1,88 @@
+"""Where a kernel's GPU segments wait while it is dumped (issue 13): its arena.
+
+A private directory of the user in RAM (``/dev/shm/infinijup-<uid>``, or
+``INFINIJUP_GPU_ARENA_ROOT``), with one file per kernel: ``<root>/<kernel id>/segments``. The
+kernel writes it while quiesced (``kernel_magics/gpu_vmm.py``), the store takes it in beside
+the CRIU images as ``gpu-segments``, and the kernel reads it back when it resumes. It is kept
+between snapshots (a file whose pages exist takes the next snapshot at copy-engine speed) and
+removed when the kernel ends or hibernates.
+
+``INFINIJUP_GPU_ALLOCATOR=driver`` in the server's environment turns all of this off: every
+snapshot then takes the CUDA driver's checkpoint of the whole GPU memory, as before.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from pathlib import Path
+
+ROOT_ENV = "INFINIJUP_GPU_ARENA_ROOT"  # the server's setting, and what kernels are told
+ALLOCATOR_ENV = "INFINIJUP_GPU_ALLOCATOR"  # "vmm" (default) or "driver"
+IMAGE_NAME = "gpu-segments"  # the file's name in a commit's tree
+SEGMENTS = "segments"
+
+
+def enabled() -> bool:
+    return os.environ.get(ALLOCATOR_ENV, "vmm") != "driver"
+
+
+def root() -> Path | None:
+    """The user's arena root (not created); None when switched off or there is no tmpfs."""
+    if not enabled():
+        return None
+    configured = os.environ.get(ROOT_ENV)
+    if configured:
+        return Path(configured)
+    return Path(f"/dev/shm/infinijup-{os.geteuid()}") if os.path.isdir("/dev/shm") else None
+
+
+def prepare_root() -> Path | None:
+    """Create the root (0700) and check it is this user's own directory, not a link or a
+    directory another user made first in a world-writable /dev/shm. None: no arena."""
+    path = root()
+    if path is None:
+        return None
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        return None
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        return None
+    return path
+
+
+def segments_path(kernel_id: str) -> str | None:
+    base = root()
+    if base is None or not kernel_id or "/" in kernel_id or kernel_id.startswith("."):
+        return None
+    return str(base / kernel_id / SEGMENTS)
+
+
+def remove_kernel(kernel_id: str) -> None:
+    """The kernel ended (or hibernated): its arena goes."""
+    path = segments_path(kernel_id)
+    if path is not None:
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
+def set_aside(images: Path) -> str | None:
+    """A restore's checked-out segments, moved beside the images (which the restore removes)
+    for the kernel's resume to read; ``discard`` them after."""
+    src = images / IMAGE_NAME
+    if not src.is_file():
+        return None
+    dst = images.parent / f"{images.name}.{IMAGE_NAME}"
+    os.replace(src, dst)
+    return str(dst)
+
+
+def discard(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

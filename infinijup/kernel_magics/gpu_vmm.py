@@ -1,0 +1,173 @@
+"""PyTorch's GPU memory past the driver floor (issue 13), inside the kernel.
+
+At kernel start, :func:`arm` makes the first CUDA initialization of PyTorch put this thread's
+allocations on Infinijup's VMM allocator (``infinijup/gpu/vmm.py``). Nothing imports torch or
+touches CUDA before the user does.
+
+A snapshot's quiesce then moves the allocator's segments into a file of the kernel's arena
+(tmpfs; :func:`offload`) and frees their GPU memory: the driver checkpoint and CRIU see only a
+small CUDA context, and the store takes the file in as it is. The resume maps the segments
+back at their addresses and fills them from that file, or, after a restore, from the copy the
+server checked out (:func:`bring_back`). Where the allocator is not in place (torch imported
+before the kernel started, CUDA initialized before, another allocator, no library), snapshots
+take the driver path, as before, and the quiesce answer says why once.
+
+The server writes ``INFINIJUP_GPU_ARENA_ROOT`` (a private tmpfs directory of the user) into
+the kernel's environment; without it all of this stays off. The arena is
+``<root>/<kernel id>/segments``: a resumed kernel, told its new id, writes its own.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.abc
+import os
+import sys
+import time
+
+from ..gpu.arena import ROOT_ENV as ARENA_ROOT_ENV
+from ..gpu.arena import SEGMENTS
+
+_state: dict = {"armed": False, "installed": False, "why_not": None, "told": False,
+                "in_file": None}
+
+
+def arena_path() -> str | None:
+    from .. import config
+
+    root, kernel = os.environ.get(ARENA_ROOT_ENV), os.environ.get(config.KERNEL_ID_ENV)
+    if not root or not kernel or "/" in kernel or kernel.startswith("."):
+        return None
+    return os.path.join(root, kernel, SEGMENTS)
+
+
+def arm() -> None:
+    """Install the allocator when PyTorch first initializes CUDA (call at kernel start)."""
+    if _state["armed"] or arena_path() is None:
+        return
+    _state["armed"] = True
+    from ..gpu import vmm  # now, not at the first snapshot (sys.modules is the user's to see)
+
+    if not os.path.exists(vmm.library_path()):
+        _state["why_not"] = f"the VMM allocator library is not built ({vmm.library_path()})"
+        return
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        _queue(torch)
+    else:
+        sys.meta_path.insert(0, _TorchImport())
+
+
+class _TorchImport(importlib.abc.MetaPathFinder):
+    """Once ``torch`` is imported, queue the install for its CUDA initialization."""
+
+    def find_spec(self, fullname, path=None, target=None):  # noqa: ANN001, ANN201
+        if fullname != "torch":
+            return None
+        sys.meta_path.remove(self)
+        import importlib.util
+
+        spec = importlib.util.find_spec("torch")
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader, run = spec.loader, spec.loader.exec_module
+
+        def exec_module(module) -> None:  # noqa: ANN001
+            run(module)
+            _queue(module)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def _queue(torch) -> None:  # noqa: ANN001
+    try:
+        if torch.cuda.is_initialized():
+            _state["why_not"] = "CUDA was initialized before the kernel could install the allocator"
+            return
+        torch.cuda._lazy_call(_install)
+    except Exception as exc:
+        _state["why_not"] = f"cannot hook PyTorch's CUDA initialization: {exc}"
+
+
+def _install() -> None:
+    try:
+        import torch
+
+        from ..gpu import vmm
+
+        vmm.install(torch.cuda.current_device())
+        _state["installed"] = True
+    except Exception as exc:
+        _state["why_not"] = f"the VMM allocator could not be installed: {exc}"
+
+
+def offload() -> dict | None:
+    """Quiesce step: the segments into the arena file. Returns what to tell the server
+    (``{"bytes", "segments", "seconds"}``), ``{"fallback": why}`` once when the driver path
+    is taken, or None when there is nothing to say."""
+    if not _state["installed"]:
+        return _fallback_once()
+    from ..gpu import vmm
+
+    if vmm.stats()["on_gpu"] == 0:
+        return None
+    path = arena_path()
+    if path is None:
+        return None
+    t0 = time.perf_counter()
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        # The server reads the file of the previous snapshot under a shared lock until it is
+        # stored: a second snapshot waits here for that, never overwrites it.
+        lock = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            moved = vmm.sleep_into(path)
+        finally:
+            os.close(lock)
+    except Exception as exc:
+        # whatever moved comes back now; the driver path takes the whole GPU state
+        try:
+            vmm.wake_from(path)
+        except Exception:
+            pass
+        return {"fallback": f"the segments could not be moved into {path}: {exc}"}
+    _state["in_file"] = path
+    return {"bytes": moved, "segments": vmm.stats()["segments"],
+            "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def _fallback_once() -> dict | None:
+    if _state["told"] or _state["why_not"] is None or not _cuda_in_use():
+        return None
+    _state["told"] = True
+    return {"fallback": _state["why_not"]}
+
+
+def _cuda_in_use() -> bool:
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch is not None and torch.cuda.is_initialized())
+    except Exception:
+        return False
+
+
+def bring_back(restored: bool, source: str | None = None) -> dict | None:
+    """Resume step: the segments back on the GPU, from ``source`` (the copy a restore checked
+    out) or, after the kernel's own dump, from the arena file its quiesce wrote."""
+    if not _state["installed"]:
+        return None
+    from ..gpu import vmm
+
+    stats = vmm.stats()
+    if stats["on_gpu"] == stats["bytes"]:
+        return None
+    if restored and not source:
+        # never the arena: it holds whatever the kernel had before this restore
+        raise RuntimeError("the snapshot's GPU segments were not given back to the kernel")
+    path = source or _state["in_file"] or arena_path()
+    t0 = time.perf_counter()
+    moved = vmm.wake_from(path)
+    _state["in_file"] = None
+    return {"bytes": moved, "seconds": round(time.perf_counter() - t0, 3)}
