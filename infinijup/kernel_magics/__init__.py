@@ -17,4 +17,5 @@ def load_ipython_extension(ipython) -> None:  # noqa: ANN001 - IPython's own typ
     isolation.install()
     isolation.track_last_result(ipython)
     register_quiesce_hook(synchronize_gpus)
+    ipython.events.register("pre_run_cell", gpu_vmm.before_cell)
     ipython.register_magics(InfinijupMagics)

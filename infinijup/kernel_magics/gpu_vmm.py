@@ -29,7 +29,7 @@ from ..gpu.arena import ROOT_ENV as ARENA_ROOT_ENV
 from ..gpu.arena import SEGMENTS
 
 _state: dict = {"armed": False, "installed": False, "why_not": None, "told": False,
-                "in_file": None}
+                "in_file": None, "written": None}
 
 
 def arena_path() -> str | None:
@@ -133,7 +133,7 @@ def offload() -> dict | None:
         except Exception:
             pass
         return {"fallback": f"the segments could not be moved into {path}: {exc}"}
-    _state["in_file"] = path
+    _state["in_file"], _state["written"] = path, _identity(path)
     return {"bytes": moved, "segments": vmm.stats()["segments"],
             "seconds": round(time.perf_counter() - t0, 3)}
 
@@ -153,6 +153,14 @@ def _cuda_in_use() -> bool:
         return False
 
 
+def _identity(path: str) -> tuple | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 def bring_back(restored: bool, source: str | None = None) -> dict | None:
     """Resume step: the segments back on the GPU, from ``source`` (the copy a restore checked
     out) or, after the kernel's own dump, from the arena file its quiesce wrote."""
@@ -163,11 +171,31 @@ def bring_back(restored: bool, source: str | None = None) -> dict | None:
     stats = vmm.stats()
     if stats["on_gpu"] == stats["bytes"]:
         return None
-    if restored and not source:
-        # never the arena: it holds whatever the kernel had before this restore
+    if source is None and (restored or not _own_arena_intact()):
+        # never an arena that may hold something else: a restored process was dumped with
+        # the arena of that time in mind, and the server hands it the snapshot's own copy
         raise RuntimeError("the snapshot's GPU segments were not given back to the kernel")
-    path = source or _state["in_file"] or arena_path()
+    path = source or _state["in_file"]
     t0 = time.perf_counter()
     moved = vmm.wake_from(path)
-    _state["in_file"] = None
+    _state["in_file"] = _state["written"] = None
     return {"bytes": moved, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def _own_arena_intact() -> bool:
+    """The arena file is the one this process wrote at its last quiesce, untouched since."""
+    path = _state["in_file"]
+    return path is not None and _state["written"] is not None and \
+        _identity(path) == _state["written"]
+
+
+def before_cell(*_args) -> None:
+    """IPython's ``pre_run_cell``: a cell that runs after the dump but before the server's
+    resume call (it was sent while the kernel was held) finds its GPU memory back first. A
+    restored process waits for the server instead (it holds the notebook's requests)."""
+    if _state["installed"] and _state["in_file"] is not None and _own_arena_intact():
+        try:
+            bring_back(False)
+        except Exception as exc:
+            print(f"Infinijup: the GPU memory could not be brought back: {exc}",
+                  file=sys.stderr)

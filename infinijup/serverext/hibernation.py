@@ -49,12 +49,24 @@ class Hibernation:
         self.rests: dict[str, Rest] = {}
         self.stopping = False  # the server is shutting its kernels down: keep their records
         self.listeners: dict[str, set] = {}  # kernel id -> websocket connections holding requests
+        self.restoring: set[str] = set()  # kernels being restored: their requests wait too
         self._ticker: asyncio.Task | None = None
 
     # --- what the websocket layer asks ------------------------------------------------------
     def holds(self, kernel_id: str) -> bool:
-        """Requests to this kernel wait (it rests, or is going to or coming out of rest)."""
-        return kernel_id in self.rests
+        """Requests to this kernel wait (it rests, or is going to or coming out of rest, or a
+        restore replaces its process: a cell must not run before its GPU memory is back)."""
+        return kernel_id in self.rests or kernel_id in self.restoring
+
+    def restore_begins(self, kernel_id: str) -> None:
+        self.restoring.add(kernel_id)
+
+    def restore_ends(self, kernel_id: str) -> None:
+        """The restore is over (done, or failed with a usable kernel): the requests held meanwhile
+        go on, unless the kernel still rests (a failed wake answers them with its reason)."""
+        self.restoring.discard(kernel_id)
+        if kernel_id not in self.rests:
+            self._notify(kernel_id)
 
     def state(self, kernel_id: str) -> str:
         rest = self.rests.get(kernel_id)

@@ -529,6 +529,7 @@ class SnapshotManager(LoggingConfigurable):
         state = await self._begin(kernel_id, "restore", path)
         t0 = time.perf_counter()
         segments: str | None = None
+        self.hibernation.restore_begins(kernel_id)
         try:
             if wait_idle:
                 await self._wait_idle(km)
@@ -589,6 +590,7 @@ class SnapshotManager(LoggingConfigurable):
             prov.restoring = False
             if segments is not None:
                 gpu_arena.discard(segments)
+            self.hibernation.restore_ends(kernel_id)
             self._end(state)
 
     async def _wait_idle(self, km) -> None:

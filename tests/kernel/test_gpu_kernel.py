@@ -4,6 +4,8 @@ snapshot. Runs on an NVIDIA GPU machine (H100/H200); skipped with the reason els
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import shutil
 
@@ -102,6 +104,47 @@ async def test_tensors_and_cuda_rng_survive(notebook):
     await nb.restore(snap["commit"])
     assert await nb.value("digest(t)") == d_t
     assert await nb.value("(torch.randn(8, device='cuda', generator=g).tolist(), torch.rand(4, device='cuda').tolist())") == draws
+    assert await nb.value("float(ballast.abs().sum()) > 0")
+
+
+async def _phase(nb) -> str | None:
+    r = await nb.fetch("infinijup", "status", params={"kernel_id": nb.kernel_id})
+    op = json.loads(r.body).get("operation")
+    return op["phase"] if op else None
+
+
+async def test_a_cell_sent_during_a_snapshot_finds_its_gpu_memory(notebook):
+    """The kernel runs again after its dump, before the server's resume call: a cell the user
+    sent meanwhile (queued while the kernel was held) must find its tensors on the GPU."""
+    nb = notebook
+    await nb.execute(TENSORS, timeout=120)
+    d_t = await nb.value("digest(t)")
+    post = asyncio.ensure_future(nb.post("snapshot", {"kernel_id": nb.kernel_id}))
+    while await _phase(nb) in (None, "queued", "quiesce"):  # until the quiesce has returned
+        assert not post.done(), (await post).body
+        await asyncio.sleep(0.01)
+    cell = nb.send_execute("during = digest(t); ok = float((t @ t).trace()) == float((t @ t).trace())")
+    r = await post
+    assert r.code == 201, r.body
+    assert json.loads(r.body)["stats"]["gpu_segments"]["bytes"] > 2**30
+    out = await nb.collect(cell)
+    assert out["reply"]["status"] == "ok", out
+    assert await nb.value("during") == d_t and await nb.value("ok") is True
+
+
+async def test_a_second_snapshot_stores_only_the_changed_gpu_memory(notebook):
+    nb = notebook
+    await nb.execute(TENSORS, timeout=120)
+    first = await nb.snapshot(message="first")
+    await nb.execute("t.add_(1)")  # 64 MiB of the 1.1 GiB changed
+    d_t = await nb.value("digest(t)")
+    second = await nb.snapshot(message="second")
+    moved = second["stats"]["gpu_segments"]["bytes"]
+    print("INCREMENTAL", first["stats"], second["stats"])
+    assert second["stats"]["stored_bytes"] < 0.2 * moved, second["stats"]
+    await nb.execute("t.zero_(); ballast.zero_()")
+    await nb.restore(second["commit"])
+    assert await nb.value("digest(t)") == d_t
     assert await nb.value("float(ballast.abs().sum()) > 0")
 
 
