@@ -34,6 +34,7 @@ def _lib() -> ctypes.CDLL:
         lib.ij_wake_from.restype = ctypes.c_longlong
         lib.ij_wake_from.argtypes = [ctypes.c_int]
         lib.ij_mapped_bytes.restype = ctypes.c_longlong
+        lib.ij_set_live.argtypes = [ctypes.c_void_p, ctypes.c_int]
         _state["lib"] = lib
     return _state["lib"]
 
@@ -81,10 +82,32 @@ def installed() -> bool:
     return "pool" in _state
 
 
+def mark_live() -> int:
+    """Tell the allocator which bytes of its segments PyTorch has in use (blocks not
+    "inactive" in its memory snapshot): the next :func:`sleep_into` copies only those, the
+    cached free rest is not a snapshot's to hold. Returns the live bytes."""
+    import torch
+
+    pairs = []
+    for seg in torch.cuda.memory_snapshot():
+        at = int(seg["address"])
+        for block in seg["blocks"]:
+            size = int(block["size"])
+            start = int(block.get("address", at))
+            if block.get("state") != "inactive":
+                pairs.append((start, size))
+            at = start + size
+    pairs.sort()
+    flat = (ctypes.c_ulonglong * (2 * len(pairs) or 1))(*(v for pair in pairs for v in pair))
+    _lib().ij_set_live(flat, len(pairs))
+    return sum(size for _, size in pairs)
+
+
 def sleep_into(path: str | os.PathLike) -> int:
     """Move every segment on the GPU into the file at ``path`` (created, or reused: a file whose
-    pages are already there takes them at copy-engine speed); the GPU memory under them is
-    free. Returns the bytes in the file (0: nothing was on the GPU)."""
+    pages are already there takes them at copy-engine speed), each at its offset, only its live
+    ranges where :func:`mark_live` gave them; the GPU memory under them is free. Returns the
+    bytes copied (0: nothing was on the GPU)."""
     lib = _lib()
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:

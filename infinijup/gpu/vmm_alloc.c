@@ -12,7 +12,9 @@
  * is opened with dlopen, so it builds on a machine without CUDA:
  *     cc -O2 -shared -fPIC -o libinfinijup_vmm.so vmm_alloc.c -ldl -lpthread
  */
+#define _GNU_SOURCE
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -82,6 +84,8 @@ typedef struct Segment {
     void *host;    /* pinned host copy while asleep */
     int in_file;   /* asleep in the file of ij_sleep_into, at offset */
     size_t offset;
+    size_t *live;  /* (start, length) pairs relative to ptr: what PyTorch has in use; NULL: all */
+    int nlive;
     struct Segment *next;
 } Segment;
 
@@ -200,6 +204,7 @@ void ij_free(void *ptr, ssize_t size, int device, void *stream) {
     }
     if (s->host) cu.free_host(s->host);
     cu.address_free(s->ptr, s->size);
+    free(s->live);
     free(s);
 }
 
@@ -250,12 +255,15 @@ fail_locked:
 }
 
 /* --- segments into a file (a snapshot) and back (its resume or restore) -----------------------
- * The file is mapped, its pages are made present by several threads at once (a new tmpfs file
- * costs its page allocations, not the copy), the mapping is registered with the driver (pinned:
- * copies run at copy-engine speed; pinning pages already present is cheap), and unregistered and
- * unmapped before returning: the process keeps no trace of it, CRIU has no GPU bytes to dump. */
+ * Only what PyTorch has in use is copied (ij_set_live); the file's pages under dead ranges are
+ * given back. Each live range's pages are made present by several threads at once (a new tmpfs
+ * file costs its page allocations, not the copy) and registered with the driver around its copy
+ * (pinned: copy-engine speed; pinning pages already present is cheap). Nothing of the file stays
+ * mapped or pinned: CRIU has no GPU bytes to dump. */
 
 #define POPULATE_THREADS 8
+#define PARALLEL_POPULATE (256u << 20) /* ranges this large are made present by threads */
+#define MERGE_GAP (1u << 20) /* live ranges closer than this are copied as one */
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
 #endif
@@ -289,19 +297,91 @@ static void populate(char *base, size_t len, int write) {
         if (started & (1 << i)) pthread_join(threads[i], NULL);
 }
 
-/* Map `len` bytes of `fd` and pin them for the driver; NULL on failure. */
+/* Map `len` bytes of `fd` (pinned range by range in copy_live); NULL on failure. */
 static char *map_file(int fd, size_t len, int write) {
     char *base = mmap(NULL, len, write ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, fd, 0);
-    if (base == MAP_FAILED) return NULL;
-    populate(base, len, write);
-    /* CU_MEMHOSTREGISTER_READ_ONLY (8) for a file only read; unregistered copies still work */
-    if (cu.host_register(base, len, write ? 0 : 8) != 0) *(volatile char *)base = base[0];
-    return base;
+    return base == MAP_FAILED ? NULL : base;
 }
 
-static void unmap_file(char *base, size_t len) {
-    cu.host_unregister(base);
-    munmap(base, len);
+static void unmap_file(char *base, size_t len) { munmap(base, len); }
+
+/* What PyTorch has in use, as (address, length) pairs sorted by address (its memory snapshot:
+ * blocks not "inactive"), merged across gaps under 64 KiB. The next ij_sleep_into copies only
+ * these ranges (the rest of a segment is cached but free: dead bytes no snapshot should hold)
+ * and ij_wake_from copies back only them. n < 0: forget, copy whole segments. */
+int ij_set_live(const unsigned long long *pairs, int n) {
+    pthread_mutex_lock(&lock);
+    for (Segment *s = segments; s; s = s->next) {
+        free(s->live);
+        s->live = NULL;
+        s->nlive = 0;
+        if (n < 0) continue;
+        int count = 0;
+        for (int i = 0; i < n; i++)
+            if (pairs[2 * i + 1] && pairs[2 * i] < s->ptr + s->size &&
+                pairs[2 * i] + pairs[2 * i + 1] > s->ptr) count++;
+        size_t *list = malloc(sizeof(size_t) * 2 * (size_t)(count ? count : 1));
+        if (!list) continue; /* the whole segment, then */
+        int k = 0;
+        for (int i = 0; i < n; i++) {
+            unsigned long long a = pairs[2 * i], len = pairs[2 * i + 1];
+            if (len == 0 || a >= s->ptr + s->size || a + len <= s->ptr) continue;
+            size_t start = a < s->ptr ? 0 : (size_t)(a - s->ptr);
+            size_t end = a + len > s->ptr + s->size ? s->size : (size_t)(a + len - s->ptr);
+            if (k > 0 && start <= list[2 * k - 2] + list[2 * k - 1] + MERGE_GAP) {
+                if (end > list[2 * k - 2] + list[2 * k - 1]) list[2 * k - 1] = end - list[2 * k - 2];
+                continue;
+            }
+            list[2 * k] = start;
+            list[2 * k + 1] = end - start;
+            k++;
+        }
+        s->live = list;
+        s->nlive = k;
+    }
+    pthread_mutex_unlock(&lock);
+    return 0;
+}
+
+/* Copy a segment's live ranges (or all of it) between the GPU and base + s->offset, each
+ * range's pages made present (in parallel when large) and pinned around its copy. */
+static CUresult copy_live(Segment *s, char *base, int to_host, long long *moved) {
+    size_t one[2] = {0, s->size};
+    size_t *r = s->live ? s->live : one;
+    int n = s->live ? s->nlive : 1;
+    for (int i = 0; i < n; i++) {
+        char *host = base + s->offset + r[2 * i];
+        CUdeviceptr dev = s->ptr + r[2 * i];
+        size_t len = r[2 * i + 1];
+        char *page = (char *)((uintptr_t)host & ~(uintptr_t)4095);
+        size_t span = (size_t)(host + len - page + 4095) / 4096 * 4096;
+        if (span >= PARALLEL_POPULATE) populate(page, span, to_host);
+        /* CU_MEMHOSTREGISTER_READ_ONLY (8) when the file is only read; unpinned copies work */
+        int pinned = cu.host_register(page, span, to_host ? 0 : 8) == 0;
+        CUresult res = to_host ? cu.dtoh(host, dev, len) : cu.htod(dev, host, len);
+        if (pinned) cu.host_unregister(page);
+        if (res != 0) return res;
+        *moved += (long long)len;
+    }
+    return 0;
+}
+
+/* Give the file's pages back where a segment holds nothing live (1 MiB or more): dead bytes
+ * cost no RAM in the arena, and read as zeros (a hole) when the store takes the file in. */
+static void punch_dead(int fd, Segment *s) {
+    if (!s->live) return;
+    size_t at = 0;
+    for (int i = 0; i <= s->nlive; i++) {
+        size_t next = i < s->nlive ? s->live[2 * i] : s->size;
+        if (next > at && next - at >= (1 << 20)) {
+            size_t from = (s->offset + at + 4095) / 4096 * 4096;
+            size_t to = (s->offset + next) / 4096 * 4096;
+            if (to > from)
+                fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)from,
+                          (off_t)(to - from));
+        }
+        if (i < s->nlive) at = s->live[2 * i] + s->live[2 * i + 1];
+    }
 }
 
 /* Like ij_sleep, but into the file `fd` (resized to the bytes on the GPU): segment after
@@ -309,6 +389,7 @@ static void unmap_file(char *base, size_t len) {
  * moved stay in the file; ij_wake_from brings them back). */
 long long ij_sleep_into(int fd) {
     size_t end = 0;
+    long long moved = 0;
     if (!load()) return -1;
     pthread_mutex_lock(&lock);
     for (Segment *s = segments; s; s = s->next) end += s->mapped ? s->size : 0;
@@ -317,23 +398,27 @@ long long ij_sleep_into(int fd) {
     if (fstat(fd, &st) != 0 || ((size_t)st.st_size != end && ftruncate(fd, (off_t)end) != 0))
         goto fail_locked;
     if (cu.synchronize() != 0) goto fail_locked;
-    char *base = map_file(fd, end, 1);
-    if (!base) goto fail_locked;
-    size_t len = end;
     end = 0;
     for (Segment *s = segments; s; s = s->next) {
         if (!s->mapped) continue;
-        if (cu.dtoh(base + end, s->ptr, s->size) != 0) { unmap_file(base, len); goto fail_locked; }
+        s->offset = end;
+        punch_dead(fd, s);
+        end += s->size;
+    }
+    char *base = map_file(fd, end, 1);
+    if (!base) goto fail_locked;
+    for (Segment *s = segments; s; s = s->next) {
+        if (!s->mapped) continue;
+        CUresult res = copy_live(s, base, 1, &moved);
+        if (res != 0) { last_error = res; unmap_file(base, end); goto fail_locked; }
         cu.unmap(s->ptr, s->size);
         cu.release(s->handle);
         s->mapped = 0;
         s->in_file = 1;
-        s->offset = end;
-        end += s->size;
     }
-    unmap_file(base, len);
+    unmap_file(base, end);
     pthread_mutex_unlock(&lock);
-    return (long long)end;
+    return moved;
 fail_locked:
     pthread_mutex_unlock(&lock);
     return -1;
@@ -358,12 +443,11 @@ long long ij_wake_from(int fd) {
     for (Segment *s = segments; s; s = s->next) {
         if (s->mapped || !s->in_file) continue;
         if (!ensure_context(s->device) || !map_physical(s) ||
-            cu.htod(s->ptr, base + s->offset, s->size) != 0) {
+            copy_live(s, base, 0, &moved) != 0) {
             unmap_file(base, need);
             goto fail_locked;
         }
         s->in_file = 0;
-        moved += (long long)s->size;
     }
     unmap_file(base, need);
     pthread_mutex_unlock(&lock);

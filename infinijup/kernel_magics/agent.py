@@ -117,11 +117,11 @@ def _clean_segments(report: object) -> dict:
         return {}
     if isinstance(report.get("fallback"), str):
         return {"fallback": report["fallback"][:300]}
-    out = {k: report[k] for k in ("bytes", "segments")
+    out = {k: report[k] for k in ("bytes", "segments", "segment_bytes")
            if type(report.get(k)) is int and report[k] >= 0}
     if isinstance(report.get("seconds"), (int, float)) and report["seconds"] >= 0:
         out["seconds"] = float(report["seconds"])
-    return out if out.get("bytes") else {}
+    return out if out.get("bytes") or out.get("segment_bytes") else {}
 
 
 def commit_metadata(info: object) -> dict:

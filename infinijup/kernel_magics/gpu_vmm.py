@@ -123,6 +123,7 @@ def offload() -> dict | None:
         lock = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
+            vmm.mark_live()
             moved = vmm.sleep_into(path)
         finally:
             os.close(lock)
@@ -134,7 +135,8 @@ def offload() -> dict | None:
             pass
         return {"fallback": f"the segments could not be moved into {path}: {exc}"}
     _state["in_file"], _state["written"] = path, _identity(path)
-    return {"bytes": moved, "segments": vmm.stats()["segments"],
+    stats = vmm.stats()
+    return {"bytes": moved, "segments": stats["segments"], "segment_bytes": stats["bytes"],
             "seconds": round(time.perf_counter() - t0, 3)}
 
 

@@ -444,7 +444,8 @@ class SnapshotManager(LoggingConfigurable):
 
         target = await asyncio.to_thread(plan_now)
         extra = {}
-        if (described or {}).get("gpu_segments", {}).get("bytes"):
+        moved = (described or {}).get("gpu_segments", {})
+        if moved.get("bytes") or moved.get("segment_bytes"):
             arena = gpu_arena.segments_path(km.kernel_id)
             if arena is None:
                 raise SnapshotFailed("snapshot failed: the kernel moved its GPU segments, but "
