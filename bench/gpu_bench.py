@@ -225,6 +225,12 @@ def _reply_after(kc, msg_id: str, timeout: float = 600) -> None:
             return
 
 
+SMALL_CHANGE = ("with torch.no_grad():\n"
+                "    _w = model.model.layers[0].mlp.down_proj.weight\n"
+                "    _saved = _w.clone(); _w.add_(1e-3)")
+UNDO_SMALL_CHANGE = ("with torch.no_grad():\n"
+                     "    model.model.layers[0].mlp.down_proj.weight.copy_(_saved); del _saved, _w")
+
 # Helper phases during which the kernel is held: its CUDA work locked (cuda_checkpoint), or
 # past the CRIU dump with its GPU state still checkpointed. Not "store": the kernel runs again
 # while the store ingests, so a cell sent then measures nothing of the pause.
@@ -283,9 +289,11 @@ def drop_page_cache() -> bool:
         return False
 
 
-def llama_row(name: str, work: str, hot_tier_bytes: int | None, shm: Path) -> dict:
+def llama_row(name: str, work: str, hot_tier_bytes: int | None, shm: Path,
+              allocator: str = "vmm") -> dict:
     shape = MODELS[name]
-    row: dict = {"run": f"{name} {work}"}
+    row: dict = {"run": f"{name} {work} {allocator}"}
+    os.environ["INFINIJUP_GPU_ALLOCATOR"] = allocator  # read by the server's kernels
     work_dir = tempfile.mkdtemp(prefix="ijbench-work-", dir="/dev/shm") if work == "tmpfs" \
         else None
     daemon = start_helper(work_dir)
@@ -337,7 +345,22 @@ def llama_row(name: str, work: str, hot_tier_bytes: int | None, shm: Path) -> di
                    publish_s=timings.get("helper_publish_s"),
                    vram_saved_gb=sum(((meta.get("gpu") or {}).get("vram_bytes") or {}).values())
                    / GB)
+        segments = stats.get("gpu_segments") or {}
+        row.update(segments_gb=segments.get("bytes", 0) / GB,
+                   segments_s=segments.get("seconds"),
+                   pause_with_quiesce_s=stats["pause_s"] + stats["quiesce_s"])
         expect = kernel.evaluate(s="sample()")["s"]  # the draw right after the snapshot
+
+        # A second snapshot after a cell that changed a few tensors (one MLP's weights).
+        execute(kernel.kc, SMALL_CHANGE, timeout=600)
+        second = snapshot_with_next_cell(server, kernel, kernel_id, "llama, one MLP changed")
+        s2 = second["body"]["stats"]
+        row.update(second_pause_s=s2["pause_s"],
+                   second_pause_with_quiesce_s=s2["pause_s"] + s2["quiesce_s"],
+                   second_next_cell_s=second["next_cell_s"],
+                   second_stored_gb=s2["stored_bytes"] / GB,
+                   second_stored_vs_live=s2["stored_bytes"] / int(ev["live"]))
+        execute(kernel.kc, UNDO_SMALL_CHANGE, timeout=600)
 
         # Floors, on the same process in the same (released) state.
         from infinijup.gpu import driver
@@ -421,6 +444,8 @@ LLAMA_METRICS = [
     ("quiesce_s", "quiesce s"), ("cuda_checkpoint_s", "CUDA checkpoint s"),
     ("criu_dump_s", "CRIU dump s"), ("cuda_resume_s", "CUDA resume s"),
     ("publish_s", "publish s"), ("pause_s", "pause s"),
+    ("segments_gb", "VMM segments moved GB"), ("segments_s", "VMM segments out s (in quiesce)"),
+    ("pause_with_quiesce_s", "quiesce + pause s"),
     ("next_cell_s", "next cell answered after Snapshot s"),
     ("running_again_s", "kernel running again s"), ("ingest_s", "ingest s"),
     ("durable_s", "durable commit (201) s"), ("hot_kept", "kept hot"),
@@ -432,6 +457,9 @@ LLAMA_METRICS = [
     ("pinned_d2h_gbs", "floor: pinned D2H GB/s"), ("pinned_h2d_gbs", "floor: pinned H2D GB/s"),
     ("pause_vs_floor", "pause / (driver ckpt + raw dump + driver restore)"),
     ("pause_vs_pcie", "pause / (live VRAM at pinned D2H)"),
+    ("second_pause_with_quiesce_s", "2nd snapshot (one MLP changed): quiesce + pause s"),
+    ("second_next_cell_s", "2nd: next cell answered after Snapshot s"),
+    ("second_stored_gb", "2nd: stored GB"), ("second_stored_vs_live", "2nd: stored / live VRAM"),
     ("restore_hot_s", "restore to first answer, hot s"), ("hot_source", "images from"),
     ("hot_checkout_s", "hot: images ready s"), ("hot_criu_restore_s", "hot: CRIU restore s"),
     ("hot_cuda_restore_s", "hot: CUDA restore s"), ("hot_answer_s", "hot: answer s"),
@@ -458,6 +486,9 @@ def main() -> None:
                     help="where the helper's work dir (dumps, hot tier) is, for --llama rows")
     ap.add_argument("--hot-tier-gib", type=float, default=None,
                     help="SnapshotManager.hot_tier_bytes for --llama rows (default: its own)")
+    ap.add_argument("--allocator", nargs="+", default=["vmm"], choices=["vmm", "driver"],
+                    help="for --llama rows: Infinijup's VMM allocator (the default) or the "
+                         "driver's checkpoint of all GPU memory (INFINIJUP_GPU_ALLOCATOR=driver)")
     ap.add_argument("--store", default=None)
     args = ap.parse_args()
     sizes = args.sizes if args.sizes is not None else ([] if args.llama else [1, 4, 16])
@@ -486,13 +517,14 @@ def main() -> None:
     hot = int(args.hot_tier_gib * (1 << 30)) if args.hot_tier_gib is not None else None
     for name in args.llama:
         for work in args.work:
-            shm = Path(tempfile.mkdtemp(prefix="ijbench-", dir="/dev/shm"))
-            try:
-                row = llama_row(name, work, hot, shm)
-            finally:
-                shutil.rmtree(shm, ignore_errors=True)
-            llama_rows.append(row)
-            print(json.dumps(row), flush=True)
+            for allocator in args.allocator:
+                shm = Path(tempfile.mkdtemp(prefix="ijbench-", dir="/dev/shm"))
+                try:
+                    row = llama_row(name, work, hot, shm, allocator)
+                finally:
+                    shutil.rmtree(shm, ignore_errors=True)
+                llama_rows.append(row)
+                print(json.dumps(row), flush=True)
     print(f"\nGPU: {gpu}; {time.strftime('%Y-%m-%d')}; one run per row\n")
     if rows:
         print(markdown_table(rows, COLUMNS))
