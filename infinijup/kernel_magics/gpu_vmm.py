@@ -125,6 +125,10 @@ def offload() -> dict | None:
             fcntl.flock(lock, fcntl.LOCK_EX)
             vmm.mark_live()
             moved = vmm.sleep_into(path)
+            # writes through a mapping do not move a tmpfs file's mtime: this does, so that
+            # a process restored from an older snapshot can tell the arena is not its own
+            now = time.time_ns()
+            os.utime(path, ns=(now, now))
         finally:
             os.close(lock)
     except Exception as exc:
