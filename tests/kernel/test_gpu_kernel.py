@@ -184,6 +184,8 @@ async def test_two_gpu_branches_from_one_snapshot(notebook):
     await nb.execute("base += 1")
     b = await nb.snapshot(message="B: +1")
     await nb.restore(a)
+    # A's GPU memory, not what the kernel's arena holds now (B's)
+    assert await nb.value("float(base[10])") == 10.0
     await nb.execute("base *= 3")
     c = await nb.snapshot(message="C: *3")
     assert c["thread"] != b["thread"]
