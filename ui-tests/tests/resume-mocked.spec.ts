@@ -101,6 +101,15 @@ test.describe('Resume @mocked', () => {
     page
   }) => {
     await page.notebook.createNew('opennew.ipynb', { kernel: 'python3' });
+    // galata's createNew renames an Untitled notebook: on a busy machine the file may not
+    // have its name yet when the button is pressed (a resume copies the file on disk)
+    await expect
+      .poll(
+        async () =>
+          (await page.request.get('/api/contents/opennew.ipynb')).status(),
+        { timeout: 60000 }
+      )
+      .toBe(200);
     const kernelId = await currentKernelId(page);
     await openHistory(page);
     await page
