@@ -13,6 +13,7 @@ snapshot then takes the CUDA driver's checkpoint of the whole GPU memory, as bef
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
@@ -86,3 +87,33 @@ def discard(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def go_path(root_dir: str, token: str) -> str:
+    """The file that tells a kernel its snapshot's dump is over (see kernel_magics/gpu_vmm)."""
+    if not token or not all(c in "0123456789abcdef" for c in token):
+        raise ValueError("not a snapshot token")
+    return os.path.join(root_dir, f"go-{token}")
+
+
+def say_go(token: str, source: str | None = None) -> None:
+    """The dump of the snapshot ``token`` is over (``source`` None: the kernel takes its
+    segments back from its arena), or a restore of it is under way (``source``: the copy of
+    its segments to take)."""
+    base = root()
+    if base is None:
+        return
+    path = go_path(str(base), token)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"source": source}, f)
+    os.replace(tmp, path)
+
+
+def forget_go(token: str) -> None:
+    base = root()
+    if base is not None:
+        try:
+            os.unlink(go_path(str(base), token))
+        except (FileNotFoundError, ValueError):
+            pass

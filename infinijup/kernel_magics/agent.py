@@ -121,6 +121,9 @@ def _clean_segments(report: object) -> dict:
            if type(report.get(k)) is int and report[k] >= 0}
     if isinstance(report.get("seconds"), (int, float)) and report["seconds"] >= 0:
         out["seconds"] = float(report["seconds"])
+    token = report.get("token")
+    if isinstance(token, str) and len(token) == 32 and all(c in "0123456789abcdef" for c in token):
+        out["token"] = token
     return out if out.get("bytes") or out.get("segment_bytes") else {}
 
 

@@ -8,7 +8,9 @@ A snapshot's quiesce then moves the allocator's segments into a file of the kern
 (tmpfs; :func:`offload`) and frees their GPU memory: the driver checkpoint and CRIU see only a
 small CUDA context, and the store takes the file in as it is. The resume maps the segments
 back at their addresses and fills them from that file, or, after a restore, from the copy the
-server checked out (:func:`bring_back`). Where the allocator is not in place (torch imported
+server checked out (:func:`bring_back`), but only once the server has said that the dump is
+over (a "go" file per snapshot): a cell that runs between the quiesce and the dump, or a
+process dumped in that moment, never reads an arena that a later snapshot rewrote. Where the allocator is not in place (torch imported
 before the kernel started, CUDA initialized before, another allocator, no library), snapshots
 take the driver path, as before, and the quiesce answer says why once.
 
@@ -21,15 +23,18 @@ from __future__ import annotations
 
 import fcntl
 import importlib.abc
+import json
 import os
 import sys
 import time
+import uuid
 
 from ..gpu.arena import ROOT_ENV as ARENA_ROOT_ENV
 from ..gpu.arena import SEGMENTS
 
+GO_TIMEOUT_S = 600.0
 _state: dict = {"armed": False, "installed": False, "why_not": None, "told": False,
-                "in_file": None, "written": None}
+                "in_file": None, "token": None}
 
 
 def arena_path() -> str | None:
@@ -104,8 +109,8 @@ def _install() -> None:
 
 def offload() -> dict | None:
     """Quiesce step: the segments into the arena file. Returns what to tell the server
-    (``{"bytes", "segments", "seconds"}``), ``{"fallback": why}`` once when the driver path
-    is taken, or None when there is nothing to say."""
+    (``{"bytes", "segments", "segment_bytes", "seconds", "token"}``), ``{"fallback": why}``
+    once when the driver path is taken, or None when there is nothing to say."""
     if not _state["installed"]:
         return _fallback_once()
     from ..gpu import vmm
@@ -125,10 +130,6 @@ def offload() -> dict | None:
             fcntl.flock(lock, fcntl.LOCK_EX)
             vmm.mark_live()
             moved = vmm.sleep_into(path)
-            # writes through a mapping do not move a tmpfs file's mtime: this does, so that
-            # a process restored from an older snapshot can tell the arena is not its own
-            now = time.time_ns()
-            os.utime(path, ns=(now, now))
         finally:
             os.close(lock)
     except Exception as exc:
@@ -138,10 +139,10 @@ def offload() -> dict | None:
         except Exception:
             pass
         return {"fallback": f"the segments could not be moved into {path}: {exc}"}
-    _state["in_file"], _state["written"] = path, _identity(path)
+    _state["in_file"], _state["token"] = path, uuid.uuid4().hex
     stats = vmm.stats()
     return {"bytes": moved, "segments": stats["segments"], "segment_bytes": stats["bytes"],
-            "seconds": round(time.perf_counter() - t0, 3)}
+            "seconds": round(time.perf_counter() - t0, 3), "token": _state["token"]}
 
 
 def _fallback_once() -> dict | None:
@@ -159,49 +160,58 @@ def _cuda_in_use() -> bool:
         return False
 
 
-def _identity(path: str) -> tuple | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+def _await_go(token: str, timeout: float = GO_TIMEOUT_S) -> dict:
+    """Wait for the server's word that the dump of this snapshot is over (its "go" file):
+    ``{"source": path or None}``. Nothing here touches the GPU or the arena, so a process
+    dumped while it waits is restored still waiting, and the restore's word, naming the
+    snapshot's own copy of the segments, is the one it then reads."""
+    from ..gpu import arena
+
+    path = arena.go_path(os.environ.get(ARENA_ROOT_ENV, ""), token)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with open(path, "rb") as f:
+                word = json.loads(f.read() or b"{}")
+            os.unlink(path)
+            return word if isinstance(word, dict) else {}
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError):
+            return {}
+        if time.monotonic() > deadline:
+            raise RuntimeError("the server never said the snapshot's dump was over")
+        time.sleep(0.005)
 
 
-def bring_back(restored: bool, source: str | None = None) -> dict | None:
-    """Resume step: the segments back on the GPU, from ``source`` (the copy a restore checked
-    out) or, after the kernel's own dump, from the arena file its quiesce wrote."""
-    if not _state["installed"]:
+def bring_back(restored: bool = False, source: str | None = None) -> dict | None:
+    """Resume step (and the first cell after a dump): the segments back on the GPU, once the
+    server says the dump is over: from the copy a restore checked out, or from the arena file
+    this process's quiesce wrote."""
+    if not _state["installed"] or _state["token"] is None:
         return None
     from ..gpu import vmm
 
     stats = vmm.stats()
     if stats["on_gpu"] == stats["bytes"]:
         return None
-    if source is None and (restored or not _own_arena_intact()):
-        # never an arena that may hold something else: a restored process was dumped with
-        # the arena of that time in mind, and the server hands it the snapshot's own copy
+    word = _await_go(_state["token"])
+    path = word.get("source") or source or (None if restored else _state["in_file"])
+    if not isinstance(path, str):
         raise RuntimeError("the snapshot's GPU segments were not given back to the kernel")
-    path = source or _state["in_file"]
     t0 = time.perf_counter()
     moved = vmm.wake_from(path)
-    _state["in_file"] = _state["written"] = None
+    _state["in_file"] = _state["token"] = None
     return {"bytes": moved, "seconds": round(time.perf_counter() - t0, 3)}
 
 
-def _own_arena_intact() -> bool:
-    """The arena file is the one this process wrote at its last quiesce, untouched since."""
-    path = _state["in_file"]
-    return path is not None and _state["written"] is not None and \
-        _identity(path) == _state["written"]
-
-
 def before_cell(*_args) -> None:
-    """IPython's ``pre_run_cell``: a cell that runs after the dump but before the server's
-    resume call (it was sent while the kernel was held) finds its GPU memory back first. A
-    restored process waits for the server instead (it holds the notebook's requests)."""
-    if _state["installed"] and _state["in_file"] is not None and _own_arena_intact():
+    """IPython's ``pre_run_cell``: a cell that runs after the quiesce, before the server's
+    resume call (sent while the kernel was held), waits for the dump to be over and finds its
+    GPU memory back first."""
+    if _state["installed"] and _state["token"] is not None:
         try:
-            bring_back(False)
+            bring_back()
         except Exception as exc:
             print(f"Infinijup: the GPU memory could not be brought back: {exc}",
                   file=sys.stderr)

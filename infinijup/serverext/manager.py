@@ -356,11 +356,24 @@ class SnapshotManager(LoggingConfigurable):
                     self._dumped(state, km, dumped, thread_name, from_kernel, request_id), loop))
 
             described = agent.commit_metadata(described)
+            token = described.get("gpu_segments", {}).get("token")
+            said: list = []
+
+            def go() -> None:  # the kernel may take its GPU segments back (gpu_vmm.py)
+                if token and not said:
+                    said.append(True)
+                    gpu_arena.say_go(token)
+
+            def dumped_then(dumped, thread_name: str) -> None:
+                go()
+                on_dumped(dumped, thread_name)
+
             try:
                 result, plan = await self._dump_and_commit(
                     km, prov, state, path, message, thread, execution_count, described,
-                    on_dumped)
+                    dumped_then)
             except Exception:
+                await asyncio.to_thread(go)  # no dump, or it failed: the kernel goes on
                 await self._settle(early)
                 if not from_kernel:  # no commit: the kernel keeps its parent's fingerprints
                     try:
@@ -530,6 +543,7 @@ class SnapshotManager(LoggingConfigurable):
         state = await self._begin(kernel_id, "restore", path)
         t0 = time.perf_counter()
         segments: str | None = None
+        token = None
         self.hibernation.restore_begins(kernel_id)
         try:
             if wait_idle:
@@ -539,6 +553,9 @@ class SnapshotManager(LoggingConfigurable):
             source: dict = {}
             images = await asyncio.to_thread(engine.materialize, commit_id, source)
             segments = gpu_arena.set_aside(images)  # engine.restore removes the images
+            token = ((commit.metadata or {}).get("gpu_segments") or {}).get("token")
+            if segments is not None and token:
+                gpu_arena.say_go(token, segments)  # the restored kernel takes this copy
             info = km.get_connection_info()
             ports = [info[k] for k in ("shell_port", "iopub_port", "stdin_port", "control_port")]
             connected = connections_to(ports)
@@ -591,6 +608,8 @@ class SnapshotManager(LoggingConfigurable):
             prov.restoring = False
             if segments is not None:
                 gpu_arena.discard(segments)
+                if token:
+                    gpu_arena.forget_go(token)
             self.hibernation.restore_ends(kernel_id)
             self._end(state)
 

@@ -130,6 +130,14 @@ async def test_a_cell_sent_during_a_snapshot_finds_its_gpu_memory(notebook):
     out = await nb.collect(cell)
     assert out["reply"]["status"] == "ok", out
     assert await nb.value("during") == d_t and await nb.value("ok") is True
+    # The cell may have started before the process was frozen (it is then in the image,
+    # waiting for the dump to be over): a restore of this snapshot after a second one has
+    # rewritten the kernel's arena still brings back this snapshot's memory.
+    first = json.loads(r.body)["commit"]
+    await nb.execute("t.add_(1)")
+    await nb.snapshot(message="second")
+    await nb.restore(first)
+    assert await nb.value("digest(t)") == d_t
 
 
 async def test_a_second_snapshot_stores_only_the_changed_gpu_memory(notebook):
