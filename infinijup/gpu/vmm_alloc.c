@@ -262,7 +262,7 @@ fail_locked:
  * mapped or pinned: CRIU has no GPU bytes to dump. */
 
 #define POPULATE_THREADS 8
-#define PARALLEL_POPULATE (256u << 20) /* ranges this large are made present by threads */
+#define PARALLEL_POPULATE (16u << 20) /* ranges this large are made present by threads */
 #define MERGE_GAP (1u << 20) /* live ranges closer than this are copied as one */
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
