@@ -91,6 +91,52 @@ def _open_extra(paths: dict[str, str]) -> dict[str, int]:
     return out
 
 
+def _data_ranges(fd: int):  # noqa: ANN202
+    """(offset, length) of the data of a file, holes left out (SEEK_DATA / SEEK_HOLE)."""
+    size = os.fstat(fd).st_size
+    at = 0
+    while at < size:
+        try:
+            start = os.lseek(fd, at, os.SEEK_DATA)
+        except OSError:  # ENXIO: only a hole is left
+            return
+        end = os.lseek(fd, start, os.SEEK_HOLE)
+        yield start, end - start
+        at = end
+
+
+def _data_bytes(fd: int) -> int:
+    return sum(n for _, n in _data_ranges(fd))
+
+
+def _allocated_bytes(path: Path) -> int:
+    return sum(e.stat().st_blocks * 512 for e in os.scandir(path) if e.is_file())
+
+
+def _copy_sparse(fd: int, target: Path) -> None:
+    """Copy the file open at ``fd`` to ``target`` (new, 0600), its holes left holes."""
+    size = os.fstat(fd).st_size
+    out = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(out, size)
+        for start, length in _data_ranges(fd):
+            done = 0
+            while done < length:
+                at, left = start + done, length - done
+                try:
+                    n = os.copy_file_range(fd, out, left, at, at)
+                except OSError as exc:  # across filesystems (EXDEV), or not supported
+                    if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS,
+                                         errno.EOPNOTSUPP):
+                        raise
+                    n = os.pwrite(out, os.pread(fd, min(left, 8 << 20), at), at)
+                if n == 0:
+                    raise OSError(errno.EIO, f"short copy into {target}")
+                done += n
+    finally:
+        os.close(out)
+
+
 class SnapshotEngine:
     """Snapshot and restore kernel process trees, given a store and a helper client."""
 
@@ -281,10 +327,17 @@ class SnapshotEngine:
         return base(parents, thread) if base is not None else None
 
     def keep_hot(self, dumped: Dumped, commit) -> bool:  # noqa: ANN001
-        """Move the committed images into the hot tier (if it takes them)."""
+        """Move the committed images into the hot tier (if it takes them), with a copy of
+        the extra files (their live data only: holes stay holes) when they fit too."""
         if self.hot_tier_bytes <= 0:
             return False
         try:
+            if dumped.extra:
+                extra = sum(_data_bytes(fd) for fd in dumped.extra.values())
+                if _allocated_bytes(dumped.images) + extra > self.hot_tier().budget:
+                    return False
+                for name, fd in dumped.extra.items():
+                    _copy_sparse(fd, dumped.images / name)
             return self.hot_tier().keep(dumped.images, commit, self.repo.get_tree(commit.tree))
         except (OSError, InfinijupError):
             return False  # a cache: the commit is in the store either way

@@ -115,3 +115,25 @@ def test_what_a_kernel_says_about_its_segments_is_checked_field_by_field():
     told = agent.commit_metadata({"gpu_segments": {"fallback": "no allocator" * 100}})
     assert told["gpu_segments"]["fallback"].startswith("no allocator")
     assert len(told["gpu_segments"]["fallback"]) <= 300
+
+
+def test_the_hot_copy_of_the_segments_keeps_their_holes(tmp_path):
+    """Dead ranges are holes in the arena file: the hot tier's copy must not fill them in."""
+    from infinijup.engine.engine import _copy_sparse, _data_bytes
+
+    src = tmp_path / "segments"
+    with open(src, "wb") as f:
+        f.truncate(64 << 20)
+        f.seek(8 << 20)
+        f.write(b"a" * (1 << 20))
+        f.seek(40 << 20)
+        f.write(b"b" * 4096)
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        assert _data_bytes(fd) <= (1 << 20) + 2 * 4096
+        _copy_sparse(fd, tmp_path / "copy")
+    finally:
+        os.close(fd)
+    copy = tmp_path / "copy"
+    assert copy.read_bytes() == src.read_bytes()
+    assert copy.stat().st_blocks * 512 <= (1 << 20) + (64 << 10)
