@@ -51,6 +51,18 @@ def _configure(p: argparse.ArgumentParser) -> None:
     sub.add_parser("stats", parents=[common], help="sizes and counts")
     sub.add_parser("rebuild-index", parents=[common],
                    help="rebuild the index from packs and commits")
+    push = sub.add_parser("push", parents=[common],
+                          help="send threads to a remote store (s3://bucket/prefix)")
+    push.add_argument("remote", help="s3://bucket/prefix (endpoint: $INFINIJUP_S3_ENDPOINT)")
+    push.add_argument("threads", nargs="*", help="threads to push (default: all)")
+    pull = sub.add_parser("pull", parents=[common],
+                          help="fetch a thread or commit (and its history) from a remote")
+    pull.add_argument("remote", help="s3://bucket/prefix")
+    pull.add_argument("ref", help="a thread of the remote, or a full commit id")
+    clone = sub.add_parser("clone", parents=[common],
+                           help="create a store from every thread of a remote")
+    clone.add_argument("remote", help="s3://bucket/prefix")
+    clone.add_argument("path", nargs="?", help="new store (default: --store or the default)")
     p.set_defaults(func=run)  # what ``infinijup``'s main calls for ``infinijup store ...``
 
 
@@ -58,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
     """Execute a parsed ``store`` command; returns the exit status."""
     path = args.store or default_store_path()
     try:
+        if args.store_command == "clone":
+            return _clone(args.remote, args.path or path)
         repo = Repository.open(path)
         try:
             return _COMMANDS[args.store_command](repo, args)
@@ -174,5 +188,38 @@ def _rebuild(repo: Repository, args: argparse.Namespace) -> int:
     return 0
 
 
+def _push(repo: Repository, args: argparse.Namespace) -> int:
+    from .remote import push
+    r = push(repo, args.remote, args.threads)
+    print(f"uploaded {r.packs_uploaded} packs ({_human(r.bytes_uploaded)}, "
+          f"{r.bytes_uploaded} bytes), {r.commits_uploaded} commits; "
+          f"{r.packs_present} needed packs were there already")
+    for name, tip in r.threads.items():
+        print(f"{name}\t{tip[:12]}")
+    return 0
+
+
+def _pull(repo: Repository, args: argparse.Namespace) -> int:
+    from .remote import pull
+    _print_pull(pull(repo, args.remote, args.ref))
+    return 0
+
+
+def _clone(remote: str, path: Any) -> int:
+    from .remote import clone
+    repo, reports = clone(remote, path)
+    repo.close()
+    for r in reports:
+        _print_pull(r)
+    return 0
+
+
+def _print_pull(r: Any) -> None:
+    print(f"pulled {r.commit[:12]}: downloaded {r.packs_downloaded} packs "
+          f"({_human(r.bytes_downloaded)}, {r.bytes_downloaded} bytes), kept "
+          f"{r.packs_resumed} from an interrupted pull, {r.commits_fetched} commits"
+          + (f"; thread {r.thread} -> {r.commit[:12]}" if r.thread else ""))
+
+
 _COMMANDS = {"log": _log, "threads": _threads, "show": _show, "check": _check, "gc": _gc,
-             "stats": _stats, "rebuild-index": _rebuild}
+             "stats": _stats, "rebuild-index": _rebuild, "push": _push, "pull": _pull}

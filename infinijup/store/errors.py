@@ -8,7 +8,7 @@ them without knowing the store. Each class carries a stable snake_case ``reason`
 
 from __future__ import annotations
 
-from infinijup.errors import BadRequest, Conflict, InfinijupError, NotFound
+from infinijup.errors import BadRequest, Conflict, InfinijupError, NotFound, PermissionDenied
 
 
 class StoreError(InfinijupError):
@@ -105,3 +105,44 @@ class IndexCorrupt(StoreError):
     """The SQLite index cannot be read; run ``infinijup store rebuild-index``."""
 
     reason = "index_corrupt"
+
+
+class RemoteError(StoreError):
+    """A push, pull or clone to or from a remote (S3) store failed; the message says why."""
+
+    reason = "remote_error"
+    http_status = 502
+
+
+class RemoteUnavailable(RemoteError):
+    """The remote's server could not be reached (or stopped answering mid-transfer)."""
+
+    reason = "remote_unavailable"
+    http_status = 503
+
+
+class RemoteAuthFailed(RemoteError, PermissionDenied):
+    """The remote refused the credentials, or none were found."""
+
+    reason = "remote_auth_failed"
+    http_status = 403
+
+
+class RemoteNotFound(RemoteError, NotFound):
+    """The bucket, or a thread or commit asked for, does not exist on the remote."""
+
+    reason = "remote_not_found"
+    http_status = 404
+
+
+class RemoteCorrupt(RemoteError):
+    """Something fetched from the remote does not verify (hash, header, missing pack)."""
+
+    reason = "remote_corrupt"
+
+
+class RemoteConflict(RemoteError, RefConflict):
+    """A thread on the remote moved under us, or diverged from the local one."""
+
+    reason = "remote_conflict"
+    http_status = 409

@@ -1,0 +1,480 @@
+"""Push, pull and clone a store to and from an S3 bucket (a *remote*).
+
+Layout under ``s3://bucket/prefix/``::
+
+    packs/<xx>/<pack id>         pack files, byte-identical to local ones (packs.py)
+    commits/<xx>/<commit id>     commit objects (canonical JSON; the id is their BLAKE3)
+    manifests/<xx>/<commit id>   JSON list of the packs holding every object of its tree
+    refs/<quoted thread>         the thread's tip commit id
+
+Everything but refs is content-addressed and written once, so only what the remote lacks
+moves: a push after a small change uploads the packs of the new commit, not the image.
+A push writes packs -> manifests -> commits -> refs; an interrupted push leaves only
+unreferenced objects, which the next push reuses. A ref moves by compare-and-swap (S3
+conditional writes: ``If-None-Match: *`` to create, ``If-Match: <etag>`` to move), and
+only forward (the remote tip must be in the local history): two machines pushing one
+thread never lose a commit; the loser gets a RemoteConflict naming the thread.
+
+A pull downloads the packs a commit (and its history) needs into ``tmp/pull/`` and
+verifies each one (header checksum and name, every stored object's BLAKE3, page deltas
+rebuilt from their sources, every chunk of every tree present) before anything becomes
+visible: packs are renamed into ``packs/`` and indexed, then commit files, then the
+thread. A pull killed midway leaves the store as it was plus verified packs in
+``tmp/pull/``, which the retry keeps. A damaged remote pack is refused and nothing of
+that pull is restored.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import urllib.parse
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zstandard
+
+from . import delta, fsutil
+from .errors import (
+    ChecksumMismatch,
+    CorruptObject,
+    CorruptPack,
+    ObjectMissing,
+    RemoteConflict,
+    RemoteCorrupt,
+    RemoteNotFound,
+    StoreError,
+    UnknownRef,
+)
+from .faults import holdpoint
+from .lock import FileLock
+from .objects import Commit, decode_blob, decode_commit, decode_tree, hash_bytes, is_hex_id
+from .packs import DELTA, PackEntry, decode_payload, pack_path, read_pack_header
+from .reader import ObjectReader
+from .repository import Repository
+from .s3 import PreconditionFailed, S3Bucket
+
+
+@dataclass(frozen=True)
+class PushReport:
+    """What a push moved."""
+
+    packs_uploaded: int = 0
+    bytes_uploaded: int = 0
+    packs_present: int = 0  # needed packs the remote had already
+    commits_uploaded: int = 0
+    threads: dict[str, str] = field(default_factory=dict)  # thread -> tip on the remote
+
+
+@dataclass(frozen=True)
+class PullReport:
+    """What a pull moved."""
+
+    commit: str
+    packs_downloaded: int = 0
+    bytes_downloaded: int = 0
+    packs_resumed: int = 0  # verified by an interrupted pull and kept
+    commits_fetched: int = 0
+    thread: str | None = None  # the local thread moved to ``commit``
+
+
+# -- keys ----------------------------------------------------------------------------------
+
+def _fan(kind: str, oid: str) -> str:
+    return f"{kind}/{oid[:2]}/{oid}"
+
+
+def _ref_key(thread: str) -> str:
+    return "refs/" + urllib.parse.quote(thread, safe="")
+
+
+def read_remote_ref(remote: S3Bucket, thread: str) -> tuple[str | None, str | None]:
+    """(tip, ETag) of ``thread`` on the remote; (None, None) when it does not exist."""
+    got = remote.get(_ref_key(thread))
+    if got is None:
+        return None, None
+    text = got[0].decode(errors="replace").strip()
+    if not is_hex_id(text):
+        raise RemoteCorrupt(f"ref of thread {thread!r} on {remote.url} is damaged")
+    return text, got[1]
+
+
+def remote_threads(remote: S3Bucket) -> list[str]:
+    """Every thread name on the remote."""
+    return sorted(urllib.parse.unquote(k[len("refs/"):]) for k in remote.list("refs/"))
+
+
+# -- push ----------------------------------------------------------------------------------
+
+def push(repo: Repository, url: str, threads: Iterable[str] = ()) -> PushReport:
+    """Send ``threads`` (default: every local thread) and what they need to ``url``."""
+    remote = S3Bucket(url)
+    remote.check_bucket()
+    local = repo.threads()
+    names = list(threads) or sorted(local)
+    for name in names:
+        if name not in local:
+            raise UnknownRef(f"no thread {name!r} in {repo.path}")
+    with FileLock(repo.lock_path, shared=True, timeout=repo.lock_timeout):
+        refs = {n: read_remote_ref(remote, n) for n in names}
+        todo = [n for n in names if refs[n][0] != local[n]]
+        for n in todo:
+            there = refs[n][0]
+            if there is not None and there not in _ancestors(repo, local[n]):
+                raise RemoteConflict(
+                    f"thread {n!r} on {remote.url} is at {there[:12]}, which is not in the "
+                    f"local history of {local[n][:12]}: pull it first, or push another thread")
+        on_remote = {k.rsplit("/", 1)[1] for k in remote.list("commits/")}
+        commits = _commits_to_push(repo, [local[n] for n in todo], on_remote)
+        manifests = {c.id: _packs_of(repo, c.tree) for c in commits}
+        needed = set().union(*manifests.values()) if manifests else set()
+        have = {k.rsplit("/", 1)[1] for k in remote.list("packs/")}
+        sent = sent_bytes = 0
+        for pack in sorted(needed - have):
+            path = pack_path(repo.packs_dir, pack)
+            remote.upload(_fan("packs", pack), path)
+            sent, sent_bytes = sent + 1, sent_bytes + path.stat().st_size
+            holdpoint("remote_push_after_pack")
+        for c in commits:  # parents first: a commit on the remote has its history there
+            remote.put(_fan("manifests", c.id), json.dumps(manifests[c.id]).encode())
+            remote.put(_fan("commits", c.id), _commit_body(repo, c.id))
+        holdpoint("remote_push_before_ref")
+        for n in todo:
+            _move_remote_ref(remote, n, local[n], refs[n][1])
+    return PushReport(sent, sent_bytes, len(needed & have), len(commits),
+                      {n: local[n] for n in names})
+
+
+def _move_remote_ref(remote: S3Bucket, thread: str, tip: str, etag: str | None) -> None:
+    try:
+        remote.put(_ref_key(thread), (tip + "\n").encode(), if_match=etag,
+                   if_absent=etag is None)
+    except PreconditionFailed:
+        now, _ = read_remote_ref(remote, thread)
+        if now == tip:
+            return
+        raise RemoteConflict(
+            f"thread {thread!r} on {remote.url} was moved by another writer (now at "
+            f"{now[:12] if now else 'nothing'}); your commits were uploaded but the thread "
+            "was left alone: pull it, or push another thread") from None
+
+
+def _ancestors(repo: Repository, tip: str) -> set[str]:
+    return {c.id for c in _history(repo, [tip], set())}
+
+
+def _history(repo: Repository, tips: list[str], stop: set[str]) -> list[Commit]:
+    """Commits reachable from ``tips`` without passing ``stop``, parents before children."""
+    order: list[Commit] = []
+    seen: set[str] = set()
+    stack: list[tuple[str, Commit | None]] = [(t, None) for t in tips]
+    while stack:
+        cid, done = stack.pop()
+        if done is not None:
+            order.append(done)
+            continue
+        if cid in seen or cid in stop:
+            continue
+        seen.add(cid)
+        commit = repo.get_commit(cid)
+        stack.append((cid, commit))
+        stack.extend((p, None) for p in commit.parents)
+    return order
+
+
+def _commits_to_push(repo: Repository, tips: list[str], on_remote: set[str]) -> list[Commit]:
+    return _history(repo, tips, on_remote)
+
+
+def _commit_body(repo: Repository, cid: str) -> bytes:
+    body = (repo.commits_dir / cid[:2] / cid).read_bytes()
+    if hash_bytes(body).hex() != cid:
+        raise ChecksumMismatch(f"commit {cid}: checksum mismatch (run check)")
+    return body
+
+
+def _packs_of(repo: Repository, tree_id: str) -> list[str]:
+    """The local packs holding every object of ``tree_id`` (delta sources included)."""
+    ids: set[bytes] = set()
+    _walk_tree(tree_id, ids, repo.read_object)
+    packs: set[str] = set()
+    todo = list(ids)
+    with ObjectReader(repo) as reader:
+        while todo:
+            locs = repo.index.lookup_many(todo)
+            if len(locs) != len(todo):
+                lost = min(set(todo) - set(locs)).hex()
+                raise ObjectMissing(f"object {lost} is not in the local store (run check)")
+            todo = []
+            for oid, loc in locs.items():
+                packs.add(loc.pack)
+                if loc.compression == DELTA:
+                    for sid in reader.sources(oid, loc):
+                        if sid not in ids:
+                            ids.add(sid)
+                            todo.append(sid)
+    return sorted(packs)
+
+
+def _walk_tree(tree_id: str, ids: set[bytes], read: Callable[[bytes], bytes]) -> None:
+    """Add the ids of a tree and everything under it (trees, blobs, chunks) to ``ids``;
+    ``read(oid)`` returns an object's verified plaintext."""
+    stack = [tree_id]
+    while stack:
+        tid = stack.pop()
+        oid = bytes.fromhex(tid)
+        if oid in ids:
+            continue
+        ids.add(oid)
+        for e in decode_tree(read(oid)):
+            if e.kind == "dir":
+                stack.append(e.id)
+            elif e.kind == "file":
+                bid = bytes.fromhex(e.id)
+                if bid not in ids:
+                    ids.add(bid)
+                    ids.update(decode_blob(read(bid))[1])
+
+
+# -- pull ----------------------------------------------------------------------------------
+
+def pull(repo: Repository, url: str, ref: str) -> PullReport:
+    """Fetch ``ref`` (a thread of the remote, or a full commit id) and its history; a
+    thread is created or moved forward locally (RemoteConflict if the two diverged)."""
+    remote = S3Bucket(url)
+    remote.check_bucket()
+    if is_hex_id(ref):
+        tip, thread = ref, None
+    else:
+        tip, _ = read_remote_ref(remote, ref)
+        if tip is None:
+            raise RemoteNotFound(f"no thread {ref!r} on {remote.url}")
+        thread = ref
+    with FileLock(repo.lock_path, shared=True, timeout=repo.lock_timeout):
+        commits = _fetch_commits(repo, remote, tip)
+        needed: set[str] = set()
+        for cid, _c, _body in commits:
+            needed.update(_manifest(remote, cid))
+        needed -= set(repo.index.packs())
+        staging = _Staging(repo)
+        with FileLock(staging.dir / "lock", timeout=repo.lock_timeout):
+            counts = staging.fetch(remote, sorted(needed))
+            entries = staging.verify(sorted(needed), [c for _, c, _ in commits])
+            _install(repo, staging, entries, commits)
+            staging.clear(needed)
+    moved = _advance_thread(repo, thread, tip, str(remote.url)) if thread else None
+    return PullReport(tip, counts[0], counts[1], counts[2], len(commits), moved)
+
+
+def clone(url: str, path: str | os.PathLike[str]) -> tuple[Repository, list[PullReport]]:
+    """Create a store at ``path`` (or open the one there: an interrupted clone resumes) and
+    pull every thread of ``url`` into it."""
+    remote = S3Bucket(url)
+    remote.check_bucket()
+    names = remote_threads(remote)
+    if not names:
+        raise RemoteNotFound(f"no threads on {remote.url}: nothing to clone")
+    repo = Repository.open_or_init(path)
+    try:
+        return repo, [pull(repo, url, n) for n in names]
+    except BaseException:
+        repo.close()
+        raise
+
+
+def _fetch_commits(repo: Repository, remote: S3Bucket, tip: str
+                   ) -> list[tuple[str, Commit, bytes]]:
+    """The commits of ``tip``'s history that the store lacks, verified, parents first."""
+    order: list[tuple[str, Commit, bytes]] = []
+    seen: set[str] = set()
+    stack: list[tuple[str, tuple[str, Commit, bytes] | None]] = [(tip, None)]
+    while stack:
+        cid, done = stack.pop()
+        if done is not None:
+            order.append(done)
+            continue
+        if cid in seen or repo.index.has_commit(cid):
+            continue
+        seen.add(cid)
+        got = remote.get(_fan("commits", cid))
+        if got is None:
+            if cid == tip:
+                raise RemoteNotFound(f"no commit {cid} on {remote.url}")
+            raise RemoteCorrupt(f"commit {cid} (in the history of {tip[:12]}) is missing "
+                                f"on {remote.url}")
+        body = got[0]
+        if hash_bytes(body).hex() != cid:
+            raise RemoteCorrupt(f"commit {cid} on {remote.url} is damaged (checksum)")
+        try:
+            commit = decode_commit(cid, body)
+        except CorruptObject as exc:
+            raise RemoteCorrupt(f"commit {cid} on {remote.url} is damaged ({exc})") from None
+        stack.append((cid, (cid, commit, body)))
+        stack.extend((p, None) for p in commit.parents)
+    return order
+
+
+def _manifest(remote: S3Bucket, cid: str) -> list[str]:
+    got = remote.get(_fan("manifests", cid))
+    try:
+        packs = json.loads(got[0]) if got is not None else None
+    except ValueError:
+        packs = None
+    if not isinstance(packs, list) or not all(isinstance(p, str) and is_hex_id(p)
+                                              for p in packs):
+        raise RemoteCorrupt(f"the pack list of commit {cid} on {remote.url} is missing "
+                            "or damaged")
+    return packs
+
+
+class _Staging:
+    """``tmp/pull/``: packs downloaded and verified, not yet in the store.
+
+    ``<pack id>`` files are complete and verified (kept across interrupted pulls);
+    anything else there is an unfinished download, removed by the next pull."""
+
+    def __init__(self, repo: Repository) -> None:
+        self.repo = repo
+        self.dir = repo.tmp_dir / "pull"
+        fsutil.make_private_dir(self.dir)
+
+    def path(self, pack: str) -> Path:
+        return self.dir / pack
+
+    def fetch(self, remote: S3Bucket, packs: list[str]) -> tuple[int, int, int]:
+        """Download and verify every pack not staged yet: (downloaded, bytes, resumed)."""
+        for leftover in self.dir.iterdir():
+            if leftover.name != "lock" and not is_hex_id(leftover.name):
+                leftover.unlink(missing_ok=True)
+        got = got_bytes = resumed = 0
+        for pack in packs:
+            final = self.path(pack)
+            if final.exists():
+                resumed += 1
+                continue
+            part = self.dir / f"{pack}.part"
+            remote.download(_fan("packs", pack), part)
+            os.chmod(part, fsutil.FILE_MODE)
+            try:
+                _verify_pack(part, pack)
+            except (CorruptPack, ChecksumMismatch, ObjectMissing) as exc:
+                part.unlink(missing_ok=True)
+                raise RemoteCorrupt(f"pack {pack} on {remote.url} is damaged ({exc}); "
+                                    "nothing was restored") from None
+            size = part.stat().st_size
+            with open(part, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(part, final)
+            fsutil.fsync_dir(self.dir)
+            got, got_bytes = got + 1, got_bytes + size
+            holdpoint("remote_pull_after_pack")
+        return got, got_bytes, resumed
+
+    def verify(self, packs: list[str], commits: list[Commit]) -> dict[str, list[PackEntry]]:
+        """Rebuild and check every staged page delta, and check that every object of
+        ``commits`` is staged or local. Returns the staged packs' entries."""
+        entries: dict[str, list[PackEntry]] = {}
+        where: dict[bytes, tuple[int, PackEntry]] = {}
+        fds: list[int] = []
+        try:
+            for pack in packs:
+                entries[pack] = read_pack_header(self.path(pack))[1]
+                fds.append(os.open(self.path(pack), os.O_RDONLY | os.O_CLOEXEC))
+                for e in entries[pack]:
+                    where.setdefault(e.id, (fds[-1], e))
+            dctx = zstandard.ZstdDecompressor()
+
+            @functools.lru_cache(maxsize=256)
+            def plain(oid: bytes) -> bytes:
+                if oid not in where:
+                    return self.repo.read_object(oid)
+                fd, e = where[oid]
+                payload = os.pread(fd, e.length, e.offset)
+                name = f"object {oid.hex()} of a remote pack"
+                if e.compression != DELTA:
+                    return decode_payload(payload, oid, e.compression, e.raw_length, name)
+                try:
+                    data = bytes(delta.apply(payload, e.raw_length, plain, dctx))
+                except CorruptObject as exc:
+                    raise ChecksumMismatch(f"{name}: damaged delta ({exc})") from None
+                if hash_bytes(data) != oid:
+                    raise ChecksumMismatch(f"{name}: checksum mismatch")
+                return data
+
+            try:
+                for oid, (_fd, e) in where.items():
+                    if e.compression == DELTA:
+                        plain(oid)
+                ids: set[bytes] = set()
+                for c in commits:
+                    _walk_tree(c.tree, ids, plain)
+                absent = [i for i in ids if i not in where]
+                missing = set(absent) - self.repo.index.known(absent)
+            except (StoreError, RecursionError) as exc:
+                self.clear(set(packs))
+                raise RemoteCorrupt(f"a pack fetched from the remote does not verify "
+                                    f"({exc}); nothing was restored") from None
+            if missing:
+                raise RemoteCorrupt(f"object {min(missing).hex()} that the pulled commits "
+                                    "need is in no pack on the remote; nothing was restored")
+            return entries
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def clear(self, packs: set[str]) -> None:
+        """Forget staged copies of ``packs``."""
+        for pack in packs:
+            self.path(pack).unlink(missing_ok=True)
+
+
+def _verify_pack(path: Path, name: str) -> None:
+    """Check a downloaded pack: its name is its header's hash, and every object stored
+    whole or compressed hashes to its id (page deltas are checked once all are staged)."""
+    header, entries = read_pack_header(path)
+    if hash_bytes(header).hex() != name:
+        raise CorruptPack(f"pack {name}: name does not match its header")
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        for e in entries:
+            if e.compression != DELTA:
+                decode_payload(os.pread(fd, e.length, e.offset), e.id, e.compression,
+                               e.raw_length, f"object {e.id.hex()} in pack {name}")
+    finally:
+        os.close(fd)
+
+
+def _install(repo: Repository, staging: _Staging, entries: dict[str, list[PackEntry]],
+             commits: list[tuple[str, Commit, bytes]]) -> None:
+    """Make verified packs, then commits, visible (the store's write order)."""
+    sized = []
+    for pack, pack_entries in entries.items():
+        dst = pack_path(repo.packs_dir, pack)
+        fsutil.make_private_dir(dst.parent)
+        os.replace(staging.path(pack), dst)
+        fsutil.fsync_dir(dst.parent)
+        sized.append((pack, dst.stat().st_size, pack_entries))
+    if sized:
+        repo.index.add_packs(sized)
+    for cid, _c, body in commits:
+        fsutil.atomic_write(repo.commits_dir / cid[:2] / cid, body, tmp_dir=repo.tmp_dir)
+    if commits:
+        repo.index.add_commits([(c, body) for _, c, body in commits])
+
+
+def _advance_thread(repo: Repository, thread: str, tip: str, where: str) -> str | None:
+    here = repo.threads().get(thread)
+    if here == tip:
+        return thread
+    if here is not None and here not in _ancestors(repo, tip):
+        raise RemoteConflict(
+            f"thread {thread!r} has diverged: here at {here[:12]}, on {where} at {tip[:12]}; "
+            "the remote commit was fetched (use its id) but the thread was left alone")
+    repo.set_thread(thread, tip, expected=here)
+    return thread
+
+
+__all__ = ["PullReport", "PushReport", "clone", "pull", "push", "read_remote_ref",
+           "remote_threads"]
