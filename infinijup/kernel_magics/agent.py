@@ -127,6 +127,23 @@ def _clean_segments(report: object) -> dict:
     return out if out.get("bytes") or out.get("segment_bytes") else {}
 
 
+def _clean_sidecars(items: object) -> list[dict]:
+    """sidecars.describe's list: names, commands, pids, whether each runs."""
+    if not isinstance(items, list):
+        return []
+    out = []
+    for item in items[:50]:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            continue
+        argv = item.get("argv")
+        out.append({"name": item["name"][:64],
+                    "argv": [a[:200] for a in argv[:20] if isinstance(a, str)]
+                    if isinstance(argv, list) else [],
+                    "pid": item["pid"] if type(item.get("pid")) is int else None,
+                    "running": bool(item.get("running"))})
+    return out
+
+
 def commit_metadata(info: object) -> dict:
     """For the server: the commit metadata from a kernel's description (``quiesce``'s answer or
     the body of ``%snapshot``'s request), checked field by field since a kernel sent it:
@@ -146,6 +163,9 @@ def commit_metadata(info: object) -> dict:
     segments = _clean_segments(info.get("gpu_segments"))
     if segments:
         out["gpu_segments"] = segments
+    running = _clean_sidecars(info.get("sidecars"))
+    if running:
+        out["sidecars"] = running
     variables = info.get("variables")
     if isinstance(variables, dict) and isinstance(variables.get("items"), list):
         raw = variables["items"]

@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from . import gpu_sync, gpu_vmm
+from . import gpu_sync, gpu_vmm, sidecars
 
 QuiesceHook = Callable[[], object]
 ResumeHook = Callable[[bool], object]
@@ -73,6 +73,12 @@ def run_quiesce() -> dict:
         segments = {"fallback": f"{type(exc).__name__}: {exc}"}
     if segments:
         info["gpu_segments"] = segments
+    try:
+        running = sidecars.describe()  # they are in the snapshot with the kernel
+    except Exception:
+        running = []
+    if running:
+        info["sidecars"] = running
     info["quiesce_s"] = time.perf_counter() - t0
     return info
 

@@ -15,7 +15,7 @@ from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from ..errors import InfinijupError
-from . import describe, hooks
+from . import describe, hooks, sidecars
 from .graph import _size, render_history
 from .server_client import ServerError, kernel_id, request, wait_result
 
@@ -66,7 +66,7 @@ class InfinijupMagics(Magics):
                 described = True
             except Exception:  # a commit without a description rather than no commit
                 pass
-            for key in ("gpu_release", "gpu_segments"):
+            for key in ("gpu_release", "gpu_segments", "sidecars"):
                 if quiesced.get(key):
                     body.setdefault("metadata", {})[key] = quiesced[key]
             if args.thread:
@@ -151,6 +151,44 @@ class InfinijupMagics(Magics):
         except ServerError as err:
             raise _failed("Hibernate", err) from None
         print("The kernel hibernates once this cell is done; the next cell wakes it.")
+
+    @line_magic
+    def sidecar(self, line: str) -> None:
+        """Processes that belong to this kernel, in its snapshots and restores:
+        ``%sidecar start NAME -- CMD ...``, ``%sidecar list``, ``%sidecar stop NAME``,
+        ``%sidecar logs NAME [-n LINES]``."""
+        words = shlex.split(line)
+        command, rest = (words[0], words[1:]) if words else ("list", [])
+        try:
+            if command == "start":
+                if "--" in rest:
+                    cut = rest.index("--")
+                    head, argv = rest[:cut], rest[cut + 1:]
+                else:
+                    head, argv = rest[:1], rest[1:]
+                if len(head) != 1:
+                    raise sidecars.SidecarError("usage: %sidecar start NAME -- CMD ...")
+                started = sidecars.start(head[0], argv)  # in the kernel's working directory
+                print(f"Sidecar '{started.name}' started (pid {started.pid}); its output: "
+                      f"%sidecar logs {started.name}")
+            elif command == "list":
+                rows = sidecars.listing()
+                if not rows:
+                    print("No sidecars.")
+                for r in rows:
+                    state = "running" if r["running"] else f"exited ({r['exit_code']})"
+                    print(f"{r['name']}\tpid {r['pid']}\t{state}\t{shlex.join(r['argv'])}")
+            elif command == "stop" and len(rest) == 1:
+                code = sidecars.stop(rest[0])
+                print(f"Sidecar '{rest[0]}' stopped (exit code {code}).")
+            elif command == "logs" and rest:
+                lines = int(rest[rest.index("-n") + 1]) if "-n" in rest else 50
+                print(sidecars.logs(rest[0], lines))
+            else:
+                raise sidecars.SidecarError(
+                    "usage: %sidecar start NAME -- CMD ... | list | stop NAME | logs NAME [-n N]")
+        except (sidecars.SidecarError, ValueError, IndexError) as exc:
+            raise MagicError(f"Sidecar failed: {exc}", reason="sidecar") from None
 
 
 def _restore(ref: str, branch: str | None) -> None:
