@@ -96,6 +96,35 @@ export function variablesOf(commit: ICommit): IVariables | null {
   return { items, truncated: vars.truncated === true };
 }
 
+/** One of `metadata.sidecars`: a process the notebook started with `%sidecar`. */
+export interface ISidecarInfo {
+  name: string;
+  argv: string[];
+  running: boolean;
+}
+
+/** `metadata.sidecars`, normalized (empty when none were recorded). */
+export function sidecarsOf(commit: ICommit): ISidecarInfo[] {
+  const items = commit.metadata?.sidecars;
+  if (!Array.isArray(items)) {
+    return [];
+  }
+  const out: ISidecarInfo[] = [];
+  for (const s of items) {
+    if (!s || typeof s !== 'object' || typeof s.name !== 'string') {
+      continue;
+    }
+    out.push({
+      name: s.name,
+      argv: Array.isArray(s.argv)
+        ? s.argv.filter((a: unknown) => typeof a === 'string')
+        : [],
+      running: s.running === true
+    });
+  }
+  return out;
+}
+
 /** The variables that changed since the parent (new ones included). */
 export function changedVariables(commit: ICommit): IVariableInfo[] | null {
   const vars = variablesOf(commit);

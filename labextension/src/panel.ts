@@ -24,6 +24,7 @@ import {
   commitTitle,
   compareCommits,
   removedVariables,
+  sidecarsOf,
   variablesOf
 } from './commits';
 import {
@@ -503,6 +504,7 @@ export class HistoryPanel extends Panel {
         'GPU state',
         hasGpu(commit) ? `yes, ${formatBytes(s.gpu_bytes ?? 0)}` : 'no'
       ) +
+      sidecarsRow(commit) +
       '</tbody></table>' +
       `<details class="jp-Infinijup-metadata"><summary>Metadata</summary><pre>${esc(
         metadata
@@ -741,4 +743,19 @@ function variableTable(items: readonly IVariableInfo[]): string {
 
 function truncate(text: string, n: number): string {
   return text.length > n ? text.slice(0, n - 1) + '…' : text;
+}
+
+/** The sidecars in the snapshot (started with `%sidecar`), when there are any. */
+function sidecarsRow(commit: ICommit): string {
+  const sidecars = sidecarsOf(commit);
+  if (!sidecars.length) {
+    return '';
+  }
+  const items = sidecars.map(
+    s =>
+      `<code title="${esc(s.argv.join(' '))}">${esc(s.name)}</code> (${
+        s.running ? 'running' : 'exited'
+      })`
+  );
+  return `<tr><th>Sidecars</th><td class="jp-Infinijup-sidecars">${items.join(', ')}</td></tr>`;
 }

@@ -8,6 +8,7 @@ import {
   nextSnapshot,
   removedVariables,
   resolveRef,
+  sidecarsOf,
   variablesOf
 } from '../src/commits';
 import { commitTooltip } from '../src/format';
@@ -124,6 +125,29 @@ describe('commit labels', () => {
     });
     bad.metadata = { variables: { items: 'nope' } };
     expect(variablesOf(bad)).toBeNull();
+  });
+});
+
+describe('sidecars', () => {
+  it('reads what the kernel recorded and drops what is malformed', () => {
+    const c = commit('s', []);
+    expect(sidecarsOf(c)).toEqual([]);
+    c.metadata = {
+      sidecars: [
+        {
+          name: 'server',
+          argv: ['python', '-m', 'http.server', 7],
+          running: true
+        },
+        { name: 'old', argv: 'not a list', running: false },
+        { argv: ['no name'] },
+        null
+      ]
+    };
+    expect(sidecarsOf(c)).toEqual([
+      { name: 'server', argv: ['python', '-m', 'http.server'], running: true },
+      { name: 'old', argv: [], running: false }
+    ]);
   });
 });
 
