@@ -106,7 +106,8 @@ class S3Server:
                f"-filer.localSocket={self.root / 'filer.sock'}",
                f"-s3.localSocket={self.root / 's3.sock'}",
                "-s3.port.iceberg=0", "-s3.port.lance=0", "-s3.autoCreateBucket=false",
-               "-master.volumeSizeLimitMB=64", "-volume.max=0", "-s3.iam=false"]
+               "-master.volumeSizeLimitMB=64", "-volume.max=0", "-s3.iam=false",
+               "-volume.preStopSeconds=0"]
         log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the child
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                      cwd=self.root, start_new_session=True)
@@ -139,12 +140,13 @@ class S3Server:
                                    f"{self.log_tail()}")
             time.sleep(0.2)
 
-    def stop(self) -> None:
-        """Stop the server (SIGTERM, then SIGKILL after a hang guard); data is kept."""
+    def stop(self, *, kill: bool = False) -> None:
+        """Stop the server (SIGTERM, then SIGKILL after a hang guard; ``kill``: SIGKILL at
+        once, like a cut cable); acknowledged writes are kept either way."""
         proc, self.proc = self.proc, None
         if proc is None or proc.poll() is not None:
             return
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:

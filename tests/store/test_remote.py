@@ -349,7 +349,7 @@ def test_server_stopped_mid_transfer(tmp_path: Path, monkeypatch: pytest.MonkeyP
         hold = Hold(holds, "remote_push_after_pack")
         proc = _spawn(a.path, ["push", url], _env(server, INFINIJUP_STORE_HOLDS=str(holds)))
         hold.wait(proc)
-        server.stop()  # the network is cut mid-push
+        server.stop(kill=True)  # the network is cut mid-push
         hold.release()
         _out, err = proc.communicate(timeout=HANG_GUARD)
         assert proc.returncode == 2 and "cannot reach" in err and "[remote_unavailable]" in err
@@ -361,7 +361,7 @@ def test_server_stopped_mid_transfer(tmp_path: Path, monkeypatch: pytest.MonkeyP
         proc = _spawn(b.path, ["pull", url, "main"],
                       _env(server, INFINIJUP_STORE_HOLDS=str(holds)))
         hold.wait(proc)
-        server.stop()  # cut mid-pull
+        server.stop(kill=True)  # cut mid-pull
         hold.release()
         _out, err = proc.communicate(timeout=HANG_GUARD)
         assert proc.returncode == 2 and "cannot reach" in err, err
@@ -372,4 +372,4 @@ def test_server_stopped_mid_transfer(tmp_path: Path, monkeypatch: pytest.MonkeyP
         assert b.check(read_data=True).ok
         _same_tree(b, "main", image, tmp_path / "out")
     finally:
-        server.stop()
+        server.stop(kill=True)
