@@ -152,6 +152,9 @@ class S3Server:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        for port in self.ports.values():  # weed puts its gRPC sockets in /tmp by itself
+            for sock in Path("/tmp").glob(f"seaweedfs-*-grpc-{port + 10000}.sock"):
+                sock.unlink(missing_ok=True)
 
     def make_bucket(self, name: str) -> None:
         """Create a bucket."""
