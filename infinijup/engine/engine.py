@@ -28,7 +28,7 @@ from ..store.errors import RefConflict
 from ..store.faults import holdpoint
 from ..store.objects import Blob, File
 from ..store.writer import entries_from_dir
-from .hot_tier import HotTier
+from .hot_tier import HotTier, _allocated
 
 Progress = Callable[[str, dict], None]
 _TAGGED = re.compile(r"^(\d+)\.(\d+)\.[0-9a-f]{32}$")  # <pid>.<start time>.<uuid>
@@ -107,10 +107,6 @@ def _data_ranges(fd: int):  # noqa: ANN202
 
 def _data_bytes(fd: int) -> int:
     return sum(n for _, n in _data_ranges(fd))
-
-
-def _allocated_bytes(path: Path) -> int:
-    return sum(e.stat().st_blocks * 512 for e in os.scandir(path) if e.is_file())
 
 
 def _copy_sparse(fd: int, target: Path) -> None:
@@ -334,7 +330,7 @@ class SnapshotEngine:
         try:
             if dumped.extra:
                 extra = sum(_data_bytes(fd) for fd in dumped.extra.values())
-                if _allocated_bytes(dumped.images) + extra > self.hot_tier().budget:
+                if _allocated(dumped.images) + extra > self.hot_tier().budget:
                     return False
                 for name, fd in dumped.extra.items():
                     _copy_sparse(fd, dumped.images / name)

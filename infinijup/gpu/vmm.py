@@ -78,10 +78,6 @@ def stats() -> dict[str, int]:
     return {"segments": count.value, "bytes": total.value, "on_gpu": mapped.value}
 
 
-def installed() -> bool:
-    return "pool" in _state
-
-
 def mark_live() -> int:
     """Tell the allocator which bytes of its segments PyTorch has in use (blocks not
     "inactive" in its memory snapshot): the next :func:`sleep_into` copies only those, the
