@@ -26,12 +26,20 @@ lab: setup helper
 	@echo "Starting JupyterLab with Infinijup on http://$(LAB_IP):$(LAB_PORT)/lab"
 	$(VENV)/bin/jupyter lab --ip=$(LAB_IP) --port=$(LAB_PORT) --no-browser $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-# Every suite, one after the other (also under `make -j`), stopping at the first that fails.
+# Lint first; then the Python suite and the browser suites (jest, then Galata) run side by side.
+# They share nothing but the machine: the Python tests start their own helpers, servers and stores;
+# the UI tests use the helper of `make helper` and a server and store of their own. The browser
+# suites' output is printed after the Python suite's; `make test` fails if either side failed.
 test: setup helper
 	$(MAKE) lint
-	$(MAKE) test-python
-	$(MAKE) test-frontend
-	$(MAKE) test-ui
+	@log=$$(mktemp /tmp/infinijup-test-browser.XXXXXX); \
+	( $(MAKE) --no-print-directory test-frontend && $(MAKE) --no-print-directory test-ui ) >"$$log" 2>&1 & \
+	browser=$$!; \
+	$(MAKE) test-python; python=$$?; \
+	wait $$browser; browser_rc=$$?; \
+	echo "--- make test-frontend test-ui (ran beside test-python) ---"; cat "$$log"; rm -f "$$log"; \
+	echo "make test: test-python exit $$python, test-frontend + test-ui exit $$browser_rc"; \
+	[ $$python -eq 0 ] && [ $$browser_rc -eq 0 ]
 
 setup: system-deps criu venv frontend $(STAMPS)/install $(STAMPS)/hub-proxy infinijup/gpu/libinfinijup_vmm.so
 
