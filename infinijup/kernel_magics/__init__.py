@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from .engines import register_engine, unregister_engine
 from .hooks import register_quiesce_hook, register_resume_hook, unregister_hook
 
-__all__ = ["register_quiesce_hook", "register_resume_hook", "unregister_hook", "load_ipython_extension"]
+__all__ = ["register_engine", "register_quiesce_hook", "register_resume_hook", "unregister_engine",
+           "unregister_hook", "load_ipython_extension"]
 
 
 def load_ipython_extension(ipython) -> None:  # noqa: ANN001 - IPython's own type

@@ -166,6 +166,11 @@ def commit_metadata(info: object) -> dict:
     running = _clean_sidecars(info.get("sidecars"))
     if running:
         out["sidecars"] = running
+    parked = info.get("engines")
+    if isinstance(parked, list):
+        names = [n[:100] for n in parked[:50] if isinstance(n, str)]
+        if names:
+            out["engines"] = names  # parked by engines.py for this snapshot
     variables = info.get("variables")
     if isinstance(variables, dict) and isinstance(variables.get("items"), list):
         raw = variables["items"]

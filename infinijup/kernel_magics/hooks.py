@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from . import gpu_sync, gpu_vmm, sidecars
+from . import engines, gpu_sync, gpu_vmm, sidecars
 
 QuiesceHook = Callable[[], object]
 ResumeHook = Callable[[bool], object]
@@ -50,7 +50,10 @@ def run_quiesce() -> dict:
     """Run every quiesce hook, then release the GPU libraries' unused caches (gpu_sync.py);
     return what they did and how long it took (``gpu_release`` only where one was made)."""
     t0 = time.perf_counter()
-    errors = []
+    # First the engines with loops of their own (engines.py): parked, they launch no more GPU
+    # work and change no queue while the hooks below synchronize and the memory moves out.
+    parked = engines.pause_all()
+    errors = list(parked["errors"])
     for hook in list(_quiesce_hooks):
         try:
             hook()
@@ -64,6 +67,8 @@ def run_quiesce() -> dict:
     # Last, once every hook has finished its GPU work: what the GPU libraries cache unused.
     released = gpu_sync.release_cached_memory()
     info: dict = {"hook_errors": errors}
+    if parked["parked"]:
+        info["engines"] = parked["parked"]
     if released:
         info["gpu_release"] = released
     # Then what is live: PyTorch's segments into the kernel's arena file (gpu_vmm.py)
@@ -97,4 +102,5 @@ def run_resume(restored: bool, segments: str | None = None) -> dict:
             hook(restored)
         except Exception as exc:
             errors.append(f"{getattr(hook, '__name__', hook)}: {exc}")
+    errors.extend(engines.resume_all())  # last: their memory and everything else is back
     return {"resume_s": time.perf_counter() - t0, "hook_errors": errors}

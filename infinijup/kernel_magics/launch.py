@@ -21,6 +21,9 @@ def main() -> None:
     from .gpu_vmm import arm
 
     arm()  # PyTorch's CUDA memory on the VMM allocator, once the user initializes CUDA
+    from .engines_vllm import arm as arm_vllm
+
+    arm_vllm()  # vLLM's AsyncLLM engines parked for snapshots, once the user imports vLLM
 
     argv = sys.argv[1:]
     if not any(a.startswith("--ext") for a in argv):

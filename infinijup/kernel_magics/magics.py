@@ -66,7 +66,7 @@ class InfinijupMagics(Magics):
                 described = True
             except Exception:  # a commit without a description rather than no commit
                 pass
-            for key in ("gpu_release", "gpu_segments", "sidecars"):
+            for key in ("gpu_release", "gpu_segments", "sidecars", "engines"):
                 if quiesced.get(key):
                     body.setdefault("metadata", {})[key] = quiesced[key]
             if args.thread:
@@ -155,8 +155,8 @@ class InfinijupMagics(Magics):
     @line_magic
     def sidecar(self, line: str) -> None:
         """Processes that belong to this kernel, in its snapshots and restores:
-        ``%sidecar start NAME -- CMD ...``, ``%sidecar list``, ``%sidecar stop NAME``,
-        ``%sidecar logs NAME [-n LINES]``."""
+        ``%sidecar start NAME [--pause URL --resume URL] -- CMD ...``, ``%sidecar list``,
+        ``%sidecar stop NAME``, ``%sidecar logs NAME [-n LINES]``."""
         words = shlex.split(line)
         command, rest = (words[0], words[1:]) if words else ("list", [])
         try:
@@ -166,9 +166,15 @@ class InfinijupMagics(Magics):
                     head, argv = rest[:cut], rest[cut + 1:]
                 else:
                     head, argv = rest[:1], rest[1:]
+                urls = {"--pause": None, "--resume": None}
+                while len(head) >= 3 and head[-2] in urls:
+                    urls[head[-2]] = head[-1]
+                    head = head[:-2]
                 if len(head) != 1:
-                    raise sidecars.SidecarError("usage: %sidecar start NAME -- CMD ...")
-                started = sidecars.start(head[0], argv)  # in the kernel's working directory
+                    raise sidecars.SidecarError(
+                        "usage: %sidecar start NAME [--pause URL --resume URL] -- CMD ...")
+                started = sidecars.start(head[0], argv, pause_url=urls["--pause"],
+                                         resume_url=urls["--resume"])  # in the kernel's cwd
                 print(f"Sidecar '{started.name}' started (pid {started.pid}); its output: "
                       f"%sidecar logs {started.name}")
             elif command == "list":
