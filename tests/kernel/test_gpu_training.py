@@ -58,9 +58,8 @@ async def test_training_restored_to_an_earlier_step_continues_with_identical_los
     original = await nb.value("run(6, 20)")
     assert len(set(original)) > 1, original  # it trains: the losses move
     info = await nb.value("(torch.cuda.memory_allocated(), "
-                          "__import__('infinijup.kernel_magics.gpu_vmm', fromlist=['_'])"
-                          "._state['installed'])")
-    assert info[1] is True, "the VMM allocator is not in place"
+                          "__import__('infinijup.kernel_magics.gpu_vmm', fromlist=['_'])._state)")
+    assert info[1]["installed"] is True, f"the VMM allocator is not in place: {info[1]}"
 
     await nb.restore(at5["commit"])
     assert await nb.value("step") == 5
