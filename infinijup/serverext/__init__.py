@@ -34,6 +34,7 @@ def _load_jupyter_server_extension(serverapp) -> None:  # noqa: ANN001 - jupyter
         if manager.hibernate_on_shutdown:
             await manager.hibernation.hibernate_all()
         await stop_kernels()
+        await manager.remote_tier.stop(manager.remote_shutdown_wait)  # queued pushes go first
 
     serverapp.cleanup_kernels = cleanup_kernels
     if manager.hibernate_on_shutdown and not (sys.stdin and sys.stdin.isatty()) and \

@@ -17,7 +17,7 @@ import time
 import uuid
 from pathlib import Path
 
-from traitlets import Bool, Float, Integer, Unicode, default
+from traitlets import Bool, Float, Integer, Unicode, default, observe
 from traitlets.config import LoggingConfigurable
 
 from .. import __version__, config
@@ -57,7 +57,10 @@ from ..kernel_key import user_kernel_key
 from ..kernel_magics import agent
 from ..provisioner import InfinijupProvisioner
 from ..store import Repository, default_store_path
+from ..store.errors import UnknownRef
+from ..store.objects import is_hex_id
 from .hibernation import Hibernation
+from .remote_tier import RemoteTier, budget_from_env, remote_from_env
 
 EVENT_SCHEMA_ID = "https://events.infinijup.dev/operation"
 
@@ -93,6 +96,19 @@ class SnapshotManager(LoggingConfigurable):
                              ).tag(config=True)
     idle_check_interval = Float(10.0, help="Seconds between two checks for idle kernels."
                                 ).tag(config=True)
+    remote = Unicode(help="A remote store, s3://bucket/prefix, that every new commit is pushed "
+                          "to in the background (default: $INFINIJUP_REMOTE; empty: none). "
+                          "Endpoint and credentials as for `infinijup store push`."
+                     ).tag(config=True)
+    local_budget = Integer(help="Bytes the local store may hold (default: "
+                                "$INFINIJUP_LOCAL_BUDGET, e.g. 20G; 0: no limit). Past it, "
+                                "commits safely on the remote leave the local store, oldest "
+                                "first; restoring one pulls it back.").tag(config=True)
+    remote_retry_max = Float(300.0, help="Seconds between retries of a failed background "
+                                         "push, at most (the delay doubles from 1 s)."
+                             ).tag(config=True)
+    remote_shutdown_wait = Float(60.0, help="Seconds a stopping server waits for queued "
+                                            "pushes.").tag(config=True)
 
     @default("store_path")
     def _default_store_path(self) -> str:
@@ -101,6 +117,19 @@ class SnapshotManager(LoggingConfigurable):
     @default("hot_tier_bytes")
     def _default_hot_tier_bytes(self) -> int:
         return default_budget()
+
+    @default("remote")
+    def _default_remote(self) -> str:
+        return remote_from_env()
+
+    @default("local_budget")
+    def _default_local_budget(self) -> int:
+        return budget_from_env()
+
+    @observe("local_budget")
+    def _local_budget_changed(self, _change) -> None:
+        if getattr(self, "remote_tier", None) is not None:
+            self.remote_tier.budget_changed()
 
     def __init__(self, serverapp, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -114,6 +143,8 @@ class SnapshotManager(LoggingConfigurable):
         self._path_locks: dict[str, asyncio.Lock] = {}  # one resume at a time per notebook
         store = Path(self.store_path)
         self.hibernation = Hibernation(self, store.with_name(store.name + "-hibernated"))
+        self.remote_tier = RemoteTier(self)  # background push and eviction (remote_tier.py)
+        self.remote_tier.start()
 
     # --- plumbing ------------------------------------------------------------------------
     @property
@@ -387,6 +418,7 @@ class SnapshotManager(LoggingConfigurable):
             if not from_kernel and not early:
                 await self._resume(km, restored=False)
             commit = result.commit
+            self.remote_tier.committed(store_thread(notebook_key(path), plan.thread))
             self._set_head(kernel_id, Head(commit=commit.id, thread=plan.thread,
                                            base_thread=plan.thread), prov)
             self._emit(state, "done", 100, commit=commit.id, thread=plan.thread)
@@ -519,7 +551,13 @@ class SnapshotManager(LoggingConfigurable):
         threads = notebook_threads(repo.threads(), key)
         if ref in threads:
             return threads[ref]
-        return repo.resolve(ref)
+        try:
+            return repo.resolve(ref)
+        except UnknownRef as exc:
+            if not is_hex_id(ref):
+                raise
+            raise UnknownRef(f"{exc.message} in this store: a snapshot of another machine "
+                             f"comes here with `infinijup store pull REMOTE {ref}`") from None
 
     async def restore(self, kernel_id: str, ref: str, *, branch: str | None = None,
                       wait_idle: bool = False, force: bool = False,
@@ -551,7 +589,7 @@ class SnapshotManager(LoggingConfigurable):
             self._emit(state, "store", 10)
             engine = self.engine()
             source: dict = {}
-            images = await asyncio.to_thread(engine.materialize, commit_id, source)
+            images = await self.remote_tier.images(state, engine, commit_id, source)
             segments = gpu_arena.set_aside(images)  # engine.restore removes the images
             token = ((commit.metadata or {}).get("gpu_segments") or {}).get("token")
             if segments is not None and token:
@@ -565,7 +603,9 @@ class SnapshotManager(LoggingConfigurable):
                     engine.restore, images, prov.root_pid, self._progress(state), gpu_pairs,
                     retarget.port_map, None if retarget.same_session else prov.log_path)
                 pid, phases = result.pid, {**result.phases, "checkout_s": source["checkout_s"],
-                                           "images": source["source"]}
+                                           "images": source["source"],
+                                           **({"pulled": source["pulled"]}
+                                              if "pulled" in source else {})}
             except RestoreFailed as exc:
                 pid = await self._find_orphan(km, prov, exc)
                 if pid is None:
@@ -586,7 +626,8 @@ class SnapshotManager(LoggingConfigurable):
                 raise
             if not retarget.same_session:
                 await run_agent(km, adopt_expression(kernel_id, self.serverapp.connection_url,
-                                                   str(config.results_dir())),
+                                                   str(config.results_dir()),
+                                                   km.connection_file or None),
                                 self.busy_timeout)
             await self._resume(km, restored=True, segments=segments)
             self.hibernation.restored(kernel_id)  # a hibernated kernel restored: awake
@@ -802,9 +843,11 @@ class SnapshotManager(LoggingConfigurable):
         head = self._head(kernel_id) if kernel_id else Head(commit=None, thread=DEFAULT_THREAD)
         # Where the next snapshot goes, planned as a snapshot would plan it (the UI shows it).
         next_thread = plan_snapshot(head, threads, None).thread
+        elsewhere = self.remote_tier.remote_only()
         return {
             "path": path,
-            "commits": [self._commit_json(c, self._resumable(c)) for c in ordered],
+            "commits": [{**self._commit_json(c, self._resumable(c)),
+                         "remote_only": c.id in elsewhere} for c in ordered],
             "threads": threads,
             "head": {"thread": head.thread, "commit": head.commit, "next_thread": next_thread},
         }
@@ -852,4 +895,5 @@ class SnapshotManager(LoggingConfigurable):
                 "operation": {k: op[k] for k in ("op", "phase", "percent")} if op else None,
                 "last_operation": self._last.get(kernel_id),
                 "head": {"thread": self._head(kernel_id).thread,
-                         "commit": self._head(kernel_id).commit}}
+                         "commit": self._head(kernel_id).commit},
+                "remote": self.remote_tier.status(self._head(kernel_id).commit)}

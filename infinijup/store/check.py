@@ -5,7 +5,9 @@ chunks) and compares the index with every pack header. With ``read_data`` it als
 every object of every pack and re-hashes it (a delta is rebuilt from its sources first).
 Damage is reported as *problems* (``ok`` is False), each naming the object and the pack.
 Harmless leftovers of interrupted writes (unindexed packs, unreferenced commits, temp
-files) are *warnings*: ``gc`` removes them.
+files) are *warnings*: ``gc`` removes them. A *remote-only* commit (remote_only.py) is walked
+down to its blobs; its chunks are on the remote, and their absence here is not a problem
+(``remote_only`` counts those commits).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from .lock import FileLock
 from .objects import Commit, decode_commit, hash_bytes
 from .packs import DELTA, PackEntry, decode_payload, read_pack_header
 from .reader import ObjectReader
+from .remote_only import remote_only
 
 if TYPE_CHECKING:
     from .repository import Repository
@@ -47,6 +50,7 @@ class CheckReport:
     chunks: int = 0
     packs: int = 0
     objects_read: int = 0
+    remote_only: int = 0  # reachable commits whose chunks are on a remote only
 
     @property
     def ok(self) -> bool:
@@ -94,6 +98,7 @@ class _Checker:
         self.blobs: set[str] = set()
         self.chunks: set[bytes] = set()
         self.objects_read = 0
+        self.remote_only = 0
         self.reader = ObjectReader(repo)
 
     def run(self, read_data: bool) -> CheckReport:
@@ -121,7 +126,8 @@ class _Checker:
 
     def _report(self, packs: dict[str, list[PackEntry]], ncommits: int) -> CheckReport:
         return CheckReport(list(dict.fromkeys(self.problems)), self.warnings, ncommits, len(self.trees),
-                           len(self.blobs), len(self.chunks), len(packs), self.objects_read)
+                           len(self.blobs), len(self.chunks), len(packs), self.objects_read,
+                           self.remote_only)
 
     def _check_index(self, packs: dict[str, list[PackEntry]]) -> None:
         index = self.repo.index
@@ -189,10 +195,18 @@ class _Checker:
         return {cid: c for cid, c in commits.items() if cid in reachable}
 
     def _walk(self, commits: dict[str, Commit]) -> None:
-        for cid, commit in commits.items():
-            self._tree(commit.tree, f"commit {cid}")
+        try:
+            elsewhere = remote_only(self.repo)
+        except StoreError as exc:
+            self.problems.append(str(exc))
+            elsewhere = {}
+        self.remote_only = len(set(commits) & set(elsewhere))
+        # local commits first: a tree or blob they share with a remote-only one is then
+        # checked down to its chunks
+        for cid, commit in sorted(commits.items(), key=lambda kv: kv[0] in elsewhere):
+            self._tree(commit.tree, f"commit {cid}", cid not in elsewhere)
 
-    def _tree(self, tree_id: str, via: str) -> None:
+    def _tree(self, tree_id: str, via: str, local: bool = True) -> None:
         if tree_id in self.trees:
             return
         self.trees.add(tree_id)
@@ -203,11 +217,11 @@ class _Checker:
             return
         for e in entries:
             if e.kind == "dir":
-                self._tree(e.id, f"tree {tree_id}")
+                self._tree(e.id, f"tree {tree_id}", local)
             elif e.kind == "file":
-                self._blob(e.id, e.size, f"tree {tree_id}")
+                self._blob(e.id, e.size, f"tree {tree_id}", local)
 
-    def _blob(self, blob_id: str, size: int, via: str) -> None:
+    def _blob(self, blob_id: str, size: int, via: str, local: bool = True) -> None:
         if blob_id in self.blobs:
             return
         self.blobs.add(blob_id)
@@ -215,6 +229,11 @@ class _Checker:
             blob_size, chunk_ids = self.repo.get_blob_chunks(blob_id)
         except (ObjectMissing, ChecksumMismatch, CorruptObject) as exc:
             self.problems.append(f"blob {blob_id} (in {via}): {exc}")
+            return
+        if not local:  # its chunks are on the remote (pulled, and verified, on restore)
+            if blob_size != size:
+                self.problems.append(f"blob {blob_id}: size {blob_size} does not match "
+                                     f"tree size {size}")
             return
         locs = self.repo.index.lookup_many(chunk_ids)
         total = 0

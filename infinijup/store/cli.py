@@ -1,6 +1,11 @@
 """Command line for the store: ``infinijup store ...`` / ``python -m infinijup.store``.
 
 Exit status: 0 success, 1 ``check`` found a problem, 2 an error (one line on stderr).
+
+Remote-only commits (their chunks evicted to a remote, remote_only.py) are listed as usual:
+``log`` ends their line with ``[remote-only]`` (``"remote_only": true`` with ``--json``),
+``show`` says where their data is, ``check`` counts them (not a problem), ``stats`` too;
+``pull REMOTE ID`` brings one back.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Any
 from infinijup.errors import InfinijupError
 
 from .objects import Commit
+from .remote_only import remote_only
 from .repository import Repository, default_store_path
 
 
@@ -106,19 +112,22 @@ def _human(n: float) -> str:
     return str(n)
 
 
-def _commit_line(c: Commit) -> str:
+def _commit_line(c: Commit, remote: bool = False) -> str:
     s = c.stats
     return (f"{c.short_id}  {_fmt_time(c.created)}  {c.thread:<16}  "
             f"{_human(s.get('image_bytes', 0)):>10} image  "
-            f"{_human(s.get('stored_bytes', 0)):>10} new  {c.message}")
+            f"{_human(s.get('stored_bytes', 0)):>10} new  {c.message}"
+            + ("  [remote-only]" if remote else ""))
 
 
 def _log(repo: Repository, args: argparse.Namespace) -> int:
+    elsewhere = remote_only(repo)
     for c in repo.log(args.thread):
         if args.json:
-            print(json.dumps({"id": c.id, **c.to_json()}, sort_keys=True))
+            print(json.dumps({"id": c.id, **c.to_json(), "remote_only": c.id in elsewhere},
+                             sort_keys=True))
         else:
-            print(_commit_line(c))
+            print(_commit_line(c, c.id in elsewhere))
     return 0
 
 
@@ -138,6 +147,8 @@ def _show(repo: Repository, args: argparse.Namespace) -> int:
     print(f"message  {c.message}")
     print(f"metadata {json.dumps(c.metadata, sort_keys=True)}")
     print(f"stats    {json.dumps(c.stats, sort_keys=True)}")
+    where = remote_only(repo).get(c.id)
+    print(f"data     {f'remote-only, on {where} (a restore or pull brings it back)' if where else 'local'}")
     _print_tree(repo, c.tree, "  ")
     return 0
 
@@ -162,6 +173,9 @@ def _check(repo: Repository, args: argparse.Namespace) -> int:
     print(f"checked {report.commits} commits, {report.trees} trees, {report.blobs} blobs, "
           f"{report.chunks} chunks in {report.packs} packs"
           + (f" ({report.objects_read} objects re-hashed)" if args.read_data else ""))
+    if report.remote_only:
+        print(f"{report.remote_only} commit(s) are remote-only: their chunks are on the remote "
+              "(not checked here; a pull verifies them)")
     print("ok" if report.ok else f"{len(report.problems)} problem(s) found")
     return 0 if report.ok else 1
 
@@ -178,6 +192,8 @@ def _gc(repo: Repository, args: argparse.Namespace) -> int:
 def _stats(repo: Repository, args: argparse.Namespace) -> int:
     for k, v in repo.stats().items():
         print(f"{k:<20} {v}")
+    known = set(repo.index.commit_ids())
+    print(f"{'remote_only':<20} {len(known & set(remote_only(repo)))}")
     return 0
 
 

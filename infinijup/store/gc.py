@@ -4,7 +4,8 @@ Plan, then execute, all under the *exclusive* store lock (no writer can be dedup
 against or writing anything gc decides about):
 
 plan
-    mark every commit reachable from a thread tip, and every tree, blob and chunk they use,
+    mark every commit reachable from a thread tip, and every tree, blob and chunk they use
+    (a remote-only commit's trees and blobs only: its chunks are on a remote, remote_only.py),
     and the sources of every page-delta chunk among them (refusing to go on if any of it is
     missing or damaged: run check); sort packs into
     *keep*, *repack* (>= ``REPACK_UNUSED`` of their bytes unused) and *delete* (nothing used).
@@ -28,6 +29,7 @@ from .lock import FileLock
 from .objects import Commit
 from .packs import DELTA, PackWriter, decode_payload, pack_path
 from .reader import ObjectReader
+from .remote_only import remote_only
 
 if TYPE_CHECKING:
     from .repository import Repository
@@ -85,8 +87,9 @@ def _plan(repo: Repository) -> _Plan:
         reachable[cid] = load_commit_file(cid, files[cid])
         stack.extend(reachable[cid].parents)
     live: set[bytes] = set()
-    for commit in reachable.values():
-        _mark_tree(repo, commit.tree, live)
+    elsewhere = remote_only(repo)
+    for commit in sorted(reachable.values(), key=lambda c: c.id in elsewhere):
+        _mark_tree(repo, commit.tree, live, chunks=commit.id not in elsewhere)
     _mark_delta_sources(repo, live)
     indexed_live = repo.index.known(list(live))
     if len(indexed_live) != len(live):
@@ -96,6 +99,24 @@ def _plan(repo: Repository) -> _Plan:
     for cid in repo.index.commit_ids():
         if cid not in reachable and cid not in garbage_commits:
             garbage_commits[cid] = 0
+    plan = _sort_packs(repo, live, garbage_commits)
+    on_disk = layout.pack_files(repo)
+    packs = repo.index.packs()
+    plan.orphans = {n: p.stat().st_size for n, p in on_disk.items() if n not in packs}
+    plan.tmp = [p.name for p in layout.tmp_files(repo)]
+    plan.bytes_freed += sum(plan.orphans.values()) + sum(garbage_commits.values())
+    return plan
+
+
+def drop_unused(repo: Repository, live: set[bytes]) -> GcReport:
+    """Delete or repack, as gc does, the packs holding objects that are not in ``live``;
+    commits, unindexed packs and temp files are left alone. The caller holds the exclusive
+    store lock and made ``live`` under it (tiers.py: every object a local commit needs)."""
+    return _execute(repo, _sort_packs(repo, live, {}))
+
+
+def _sort_packs(repo: Repository, live: set[bytes], garbage_commits: dict[str, int]) -> _Plan:
+    """Sort the indexed packs into keep, repack and delete for a given live set."""
     packs = repo.index.packs()
     used: dict[str, int] = {name: 0 for name in packs}
     dead_objects: dict[str, int] = {name: 0 for name in packs}
@@ -112,28 +133,28 @@ def _plan(repo: Repository) -> _Plan:
             plan.repack[name] = size
         plan.objects_removed += dead_objects[name] if (name in plan.delete or name in plan.repack) \
             else 0
-    on_disk = layout.pack_files(repo)
-    plan.orphans = {n: p.stat().st_size for n, p in on_disk.items() if n not in packs}
-    plan.tmp = [p.name for p in layout.tmp_files(repo)]
-    plan.bytes_freed = (sum(plan.delete.values()) + sum(plan.orphans.values())
-                        + sum(plan.repack.values()) - sum(used[n] for n in plan.repack)
-                        + sum(garbage_commits.values()))
+    plan.bytes_freed = (sum(plan.delete.values()) + sum(plan.repack.values())
+                        - sum(used[n] for n in plan.repack))
     return plan
 
 
-def _mark_tree(repo: Repository, tree_id: str, live: set[bytes]) -> None:
+def _mark_tree(repo: Repository, tree_id: str, live: set[bytes], *, chunks: bool = True
+               ) -> None:
+    """Add a tree and everything under it to ``live`` (``chunks`` False: trees and blobs
+    only; callers mark the commits whose chunks are live first)."""
     oid = bytes.fromhex(tree_id)
     if oid in live:
         return
     live.add(oid)
     for e in repo.get_tree(tree_id):
         if e.kind == "dir":
-            _mark_tree(repo, e.id, live)
+            _mark_tree(repo, e.id, live, chunks=chunks)
         elif e.kind == "file":
             bid = bytes.fromhex(e.id)
             if bid not in live:
                 live.add(bid)
-                live.update(repo.get_blob_chunks(e.id)[1])
+                if chunks:
+                    live.update(repo.get_blob_chunks(e.id)[1])
 
 
 def _mark_delta_sources(repo: Repository, live: set[bytes]) -> None:

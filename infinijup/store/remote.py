@@ -22,6 +22,10 @@ visible: packs are renamed into ``packs/`` and indexed, then commit files, then 
 thread. A pull killed midway leaves the store as it was plus verified packs in
 ``tmp/pull/``, which the retry keeps. A damaged remote pack is refused and nothing of
 that pull is restored.
+
+A *remote-only* commit (its chunks evicted from the local store, tiers.py) comes back with
+``fetch_commit_data`` (and ``pull`` of its id or thread): the packs its manifest names that the
+store lacks are downloaded and verified the same way, then the commit is local again.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from .errors import (
     ObjectMissing,
     RemoteConflict,
     RemoteCorrupt,
+    RemoteError,
     RemoteNotFound,
     StoreError,
     UnknownRef,
@@ -53,8 +58,12 @@ from .lock import FileLock
 from .objects import Commit, decode_blob, decode_commit, decode_tree, hash_bytes, is_hex_id
 from .packs import DELTA, PackEntry, decode_payload, pack_path, read_pack_header
 from .reader import ObjectReader
+from .remote_only import mark_local, remote_only
 from .repository import Repository
 from .s3 import PreconditionFailed, S3Bucket
+
+#: ``progress(packs_done, packs_total, bytes_done)``, called after each downloaded pack.
+PullProgress = Callable[[int, int, int], None]
 
 
 @dataclass(frozen=True)
@@ -106,6 +115,22 @@ def remote_threads(remote: S3Bucket) -> list[str]:
     return sorted(urllib.parse.unquote(k[len("refs/"):]) for k in remote.list("refs/"))
 
 
+def remote_commits(remote: S3Bucket) -> set[str]:
+    """Every commit id on the remote."""
+    return {k.rsplit("/", 1)[1] for k in remote.list("commits/")}
+
+
+def remote_packs(remote: S3Bucket) -> dict[str, int]:
+    """Every pack on the remote: name -> size."""
+    return {k.rsplit("/", 1)[1]: size for k, size in remote.list("packs/").items()}
+
+
+def read_manifest(remote: S3Bucket, commit_id: str) -> list[str]:
+    """The packs holding every object of ``commit_id``'s tree on the remote (RemoteCorrupt
+    when the list is missing or damaged)."""
+    return _manifest(remote, commit_id)
+
+
 # -- push ----------------------------------------------------------------------------------
 
 def push(repo: Repository, url: str, threads: Iterable[str] = ()) -> PushReport:
@@ -126,11 +151,17 @@ def push(repo: Repository, url: str, threads: Iterable[str] = ()) -> PushReport:
                 raise RemoteConflict(
                     f"thread {n!r} on {remote.url} is at {there[:12]}, which is not in the "
                     f"local history of {local[n][:12]}: pull it first, or push another thread")
-        on_remote = {k.rsplit("/", 1)[1] for k in remote.list("commits/")}
+        on_remote = remote_commits(remote)
         commits = _commits_to_push(repo, [local[n] for n in todo], on_remote)
+        elsewhere = remote_only(repo)
+        for c in commits:
+            if c.id in elsewhere:
+                raise RemoteError(f"commit {c.id[:12]} is remote-only here (its data is on "
+                                  f"{elsewhere[c.id]}): `infinijup store pull "
+                                  f"{elsewhere[c.id]} {c.id}` first, then push")
         manifests = {c.id: _packs_of(repo, c.tree) for c in commits}
         needed = set().union(*manifests.values()) if manifests else set()
-        have = {k.rsplit("/", 1)[1] for k in remote.list("packs/")}
+        have = set(remote_packs(remote))
         sent = sent_bytes = 0
         for pack in sorted(needed - have):
             path = pack_path(repo.packs_dir, pack)
@@ -264,8 +295,33 @@ def pull(repo: Repository, url: str, ref: str) -> PullReport:
             entries = staging.verify(sorted(needed), [c for _, c, _ in commits])
             _install(repo, staging, entries, commits)
             staging.clear(needed)
+    if tip in remote_only(repo):  # known here, its chunks evicted: bring them back too
+        more = fetch_commit_data(repo, url, tip)
+        counts = (counts[0] + more.packs_downloaded, counts[1] + more.bytes_downloaded,
+                  counts[2] + more.packs_resumed)
     moved = _advance_thread(repo, thread, tip, str(remote.url)) if thread else None
     return PullReport(tip, counts[0], counts[1], counts[2], len(commits), moved)
+
+
+def fetch_commit_data(repo: Repository, url: str, commit_id: str,
+                      progress: PullProgress | None = None) -> PullReport:
+    """Bring back the chunks of a commit this store knows (a remote-only one, tiers.py) from
+    ``url``: the packs its manifest names that the store lacks, verified as a pull's (every
+    object of the commit's tree present and hashing to its id) before they become visible;
+    then the commit is no longer remote-only."""
+    commit = repo.get_commit(commit_id)
+    remote = S3Bucket(url)
+    remote.check_bucket()
+    with FileLock(repo.lock_path, shared=True, timeout=repo.lock_timeout):
+        needed = set(_manifest(remote, commit.id)) - set(repo.index.packs())
+        staging = _Staging(repo)
+        with FileLock(staging.dir / "lock", timeout=repo.lock_timeout):
+            counts = staging.fetch(remote, sorted(needed), progress)
+            entries = staging.verify(sorted(needed), [commit])
+            _install(repo, staging, entries, [])
+            staging.clear(needed)
+        mark_local(repo, [commit.id])
+    return PullReport(commit.id, counts[0], counts[1], counts[2], 0, None)
 
 
 def clone(url: str, path: str | os.PathLike[str]) -> tuple[Repository, list[PullReport]]:
@@ -343,7 +399,8 @@ class _Staging:
     def path(self, pack: str) -> Path:
         return self.dir / pack
 
-    def fetch(self, remote: S3Bucket, packs: list[str]) -> tuple[int, int, int]:
+    def fetch(self, remote: S3Bucket, packs: list[str], progress: PullProgress | None = None
+              ) -> tuple[int, int, int]:
         """Download and verify every pack not staged yet: (downloaded, bytes, resumed)."""
         for leftover in self.dir.iterdir():
             if leftover.name != "lock" and not is_hex_id(leftover.name):
@@ -353,6 +410,8 @@ class _Staging:
             final = self.path(pack)
             if final.exists():
                 resumed += 1
+                if progress is not None:
+                    progress(got + resumed, len(packs), got_bytes)
                 continue
             part = self.dir / f"{pack}.part"
             remote.download(_fan("packs", pack), part)
@@ -369,6 +428,8 @@ class _Staging:
             os.replace(part, final)
             fsutil.fsync_dir(self.dir)
             got, got_bytes = got + 1, got_bytes + size
+            if progress is not None:
+                progress(got + resumed, len(packs), got_bytes)
             holdpoint("remote_pull_after_pack")
         return got, got_bytes, resumed
 
@@ -476,5 +537,6 @@ def _advance_thread(repo: Repository, thread: str, tip: str, where: str) -> str 
     return thread
 
 
-__all__ = ["PullReport", "PushReport", "clone", "pull", "push", "read_remote_ref",
+__all__ = ["PullProgress", "PullReport", "PushReport", "clone", "fetch_commit_data", "pull",
+           "push", "read_manifest", "read_remote_ref", "remote_commits", "remote_packs",
            "remote_threads"]
