@@ -105,13 +105,18 @@ class RemoteSync:
             return commit_id is not None and commit_id in self.pushed.values()
 
     def wait_idle(self, timeout: float) -> bool:
-        """Wait until nothing is queued or being pushed (True), or ``timeout`` passes. Used
-        by a stopping server; a remote that fails keeps its threads queued (False)."""
+        """Push what is queued now, without waiting out a retry delay, and wait until nothing
+        is queued or being pushed (True). False after ``timeout``, or as soon as a push made
+        meanwhile fails (a stopping server does not wait for a remote that is down)."""
         deadline = time.monotonic() + timeout
+        since = time.time()
         with self._cond:
+            self._retry_at = 0.0
+            self._cond.notify_all()
             while self._pending or self._all or self._busy == "pushing":
                 left = deadline - time.monotonic()
-                if left <= 0 or self._thread is None or not self._thread.is_alive():
+                failed = self.last_error is not None and self.last_error["at"] >= since
+                if left <= 0 or failed or self._thread is None or not self._thread.is_alive():
                     return False
                 self._cond.wait(min(left, 1.0))
             return True

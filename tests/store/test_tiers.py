@@ -23,7 +23,7 @@ from conftest import random_bytes, subprocess_env
 from s3server import S3Server, weed_binary
 
 from infinijup.store import Repository
-from infinijup.store.errors import ObjectMissing, StoreLocked
+from infinijup.store.errors import ObjectMissing, RemoteError, StoreLocked
 from infinijup.store.lock import FileLock
 from infinijup.store.remote import fetch_commit_data, pull, push, read_remote_ref
 from infinijup.store.remote_only import remote_only
@@ -96,7 +96,8 @@ def _poll(what, why: str):  # noqa: ANN001, ANN202
 
 # -- eviction ------------------------------------------------------------------------------
 
-def test_oldest_go_first_and_come_back_verified(remote: str, tmp_path: Path) -> None:
+def test_oldest_go_first_and_come_back_verified(s3: S3Server, remote: str,
+                                                 tmp_path: Path) -> None:
     repo = Repository.init(tmp_path / "store", pack_size=MiB)
     made = [_commit(repo, tmp_path, seed) for seed in (1, 2, 3, 4)]
     local_only, local_files, _ = _commit(repo, tmp_path, 5, thread="not-pushed")
@@ -122,6 +123,10 @@ def test_oldest_go_first_and_come_back_verified(remote: str, tmp_path: Path) -> 
 
     with pytest.raises(ObjectMissing):
         repo.checkout_dir(c1.id, tmp_path / "no")
+    bucket = f"ij-{uuid.uuid4().hex[:12]}"
+    s3.make_bucket(bucket)
+    with pytest.raises(RemoteError, match="remote-only here"):  # its data is not here to send
+        push(repo, f"s3://{bucket}/elsewhere", ["main"])
     repo.checkout_dir(local_only.id, tmp_path / "local")  # never pushed: untouched
     assert _files(tmp_path / "local") == local_files
 
@@ -241,6 +246,7 @@ def test_background_push_waits_out_a_stopped_server(tmp_path: Path,
             sync.request("main")
             err = _poll(lambda: sync.status()["last_error"], "the failure is seen")
             assert err["reason"] == "remote_unavailable", err
+            assert not sync.wait_idle(HANG_GUARD)  # a stopping server would not wait it out
             assert server.secret_key not in str(sync.status())
             assert set(remote_only(repo)) == {c1.id}  # c2 is not on the remote: it stays
             repo.checkout_dir(c2.id, tmp_path / "c2")
