@@ -6,8 +6,9 @@ under them). ``sleep()`` copies the segments to pinned host memory and frees the
 without moving a single address; ``wake()`` maps new physical memory at the same addresses and
 copies the contents back. Must be installed before PyTorch's first CUDA allocation.
 
-Not wired into snapshots yet: this module and ``bench/vmm_probe.py`` measure what the path can
-do next to the driver's checkpoint.
+Kernels use it through ``kernel_magics/gpu_vmm.py``: the snapshot's segments go into an arena
+file (:func:`sleep_into`), and a second snapshot copies only the ranges whose GPU-side hashes
+changed (``block_hash.py``, :func:`set_copy`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def _lib() -> ctypes.CDLL:
         lib.ij_wake_from.argtypes = [ctypes.c_int]
         lib.ij_mapped_bytes.restype = ctypes.c_longlong
         lib.ij_set_live.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        lib.ij_set_copy.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        lib.ij_layout.argtypes = [ctypes.c_void_p, ctypes.c_int]
         _state["lib"] = lib
     return _state["lib"]
 
@@ -78,10 +81,14 @@ def stats() -> dict[str, int]:
     return {"segments": count.value, "bytes": total.value, "on_gpu": mapped.value}
 
 
-def mark_live() -> int:
+MERGE_GAP = 1 << 20  # live ranges closer than this are copied as one (as vmm_alloc.c merges)
+
+
+def mark_live() -> list[tuple[int, int]]:
     """Tell the allocator which bytes of its segments PyTorch has in use (blocks not
     "inactive" in its memory snapshot): the next :func:`sleep_into` copies only those, the
-    cached free rest is not a snapshot's to hold. Returns the live bytes."""
+    cached free rest is not a snapshot's to hold. Returns the live ranges as (address, length)
+    pairs, sorted, merged across gaps under 1 MiB: exactly what a full copy moves."""
     import torch
 
     pairs = []
@@ -90,13 +97,41 @@ def mark_live() -> int:
         for block in seg["blocks"]:
             size = int(block["size"])
             start = int(block.get("address", at))
-            if block.get("state") != "inactive":
+            if block.get("state") != "inactive" and size:
                 pairs.append((start, size))
             at = start + size
     pairs.sort()
-    flat = (ctypes.c_ulonglong * (2 * len(pairs) or 1))(*(v for pair in pairs for v in pair))
-    _lib().ij_set_live(flat, len(pairs))
-    return sum(size for _, size in pairs)
+    merged: list[list[int]] = []
+    for start, size in pairs:
+        if merged and start <= merged[-1][0] + merged[-1][1] + MERGE_GAP:
+            merged[-1][1] = max(merged[-1][1], start + size - merged[-1][0])
+        else:
+            merged.append([start, size])
+    _lib().ij_set_live(_flat(merged), len(merged))
+    return [(a, n) for a, n in merged]
+
+
+def _flat(pairs) -> ctypes.Array:  # noqa: ANN001
+    return (ctypes.c_ulonglong * (2 * len(pairs) or 1))(*(v for pair in pairs for v in pair))
+
+
+def layout() -> list[tuple[int, int, int]]:
+    """The segments on the GPU as (address, size, offset in the arena file); a segment keeps its
+    offset from one :func:`sleep_into` to the next."""
+    lib = _lib()
+    count = lib.ij_layout(None, 0)
+    out = (ctypes.c_ulonglong * (3 * count or 1))()
+    count = min(count, lib.ij_layout(out, count))
+    return [(out[3 * i], out[3 * i + 1], out[3 * i + 2]) for i in range(count)]
+
+
+def set_copy(pairs: list[tuple[int, int]] | None) -> None:
+    """Have the next :func:`sleep_into` copy only these (address, length) ranges, sorted: the
+    live ranges that changed since the last one into the same file. None: every live range."""
+    if pairs is None:
+        _lib().ij_set_copy(None, -1)
+    elif _lib().ij_set_copy(_flat(pairs), len(pairs)) != 0:
+        raise MemoryError("the allocator could not take the list of ranges to copy")
 
 
 def sleep_into(path: str | os.PathLike) -> int:

@@ -83,15 +83,19 @@ typedef struct Segment {
     int mapped;    /* 0 while asleep: the contents are in host */
     void *host;    /* pinned host copy while asleep */
     int in_file;   /* asleep in the file of ij_sleep_into, at offset */
+    int placed;    /* offset given: the segment keeps it in every later file */
     size_t offset;
     size_t *live;  /* (start, length) pairs relative to ptr: what PyTorch has in use; NULL: all */
     int nlive;
+    size_t *copy;  /* the next ij_sleep_into copies only these pairs (ij_set_copy) */
+    int ncopy;
     struct Segment *next;
 } Segment;
 
 static Segment *segments;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static int keep_host; /* keep the pinned copies after a wake: the next sleep only copies */
+static int copy_given; /* ij_set_copy was called: the next ij_sleep_into copies s->copy only */
 static CUresult last_error;
 static int loaded = -1;
 
@@ -205,6 +209,7 @@ void ij_free(void *ptr, ssize_t size, int device, void *stream) {
     if (s->host) cu.free_host(s->host);
     cu.address_free(s->ptr, s->size);
     free(s->live);
+    free(s->copy);
     free(s);
 }
 
@@ -309,38 +314,99 @@ static void unmap_file(char *base, size_t len) { munmap(base, len); }
  * blocks not "inactive"), merged across gaps under 64 KiB. The next ij_sleep_into copies only
  * these ranges (the rest of a segment is cached but free: dead bytes no snapshot should hold)
  * and ij_wake_from copies back only them. n < 0: forget, copy whole segments. */
+/* The pairs that fall in segment s, relative to s->ptr, clipped to it and merged across gaps
+ * under `gap`; NULL when memory runs out. */
+static size_t *ranges_in(const Segment *s, const unsigned long long *pairs, int n, size_t gap,
+                         int *count) {
+    int inside = 0;
+    for (int i = 0; i < n; i++)
+        if (pairs[2 * i + 1] && pairs[2 * i] < s->ptr + s->size &&
+            pairs[2 * i] + pairs[2 * i + 1] > s->ptr) inside++;
+    size_t *list = malloc(sizeof(size_t) * 2 * (size_t)(inside ? inside : 1));
+    if (!list) return NULL;
+    int k = 0;
+    for (int i = 0; i < n; i++) {
+        unsigned long long a = pairs[2 * i], len = pairs[2 * i + 1];
+        if (len == 0 || a >= s->ptr + s->size || a + len <= s->ptr) continue;
+        size_t start = a < s->ptr ? 0 : (size_t)(a - s->ptr);
+        size_t end = a + len > s->ptr + s->size ? s->size : (size_t)(a + len - s->ptr);
+        if (k > 0 && start <= list[2 * k - 2] + list[2 * k - 1] + gap) {
+            if (end > list[2 * k - 2] + list[2 * k - 1]) list[2 * k - 1] = end - list[2 * k - 2];
+            continue;
+        }
+        list[2 * k] = start;
+        list[2 * k + 1] = end - start;
+        k++;
+    }
+    *count = k;
+    return list;
+}
+
 int ij_set_live(const unsigned long long *pairs, int n) {
     pthread_mutex_lock(&lock);
     for (Segment *s = segments; s; s = s->next) {
         free(s->live);
         s->live = NULL;
         s->nlive = 0;
-        if (n < 0) continue;
-        int count = 0;
-        for (int i = 0; i < n; i++)
-            if (pairs[2 * i + 1] && pairs[2 * i] < s->ptr + s->size &&
-                pairs[2 * i] + pairs[2 * i + 1] > s->ptr) count++;
-        size_t *list = malloc(sizeof(size_t) * 2 * (size_t)(count ? count : 1));
-        if (!list) continue; /* the whole segment, then */
-        int k = 0;
-        for (int i = 0; i < n; i++) {
-            unsigned long long a = pairs[2 * i], len = pairs[2 * i + 1];
-            if (len == 0 || a >= s->ptr + s->size || a + len <= s->ptr) continue;
-            size_t start = a < s->ptr ? 0 : (size_t)(a - s->ptr);
-            size_t end = a + len > s->ptr + s->size ? s->size : (size_t)(a + len - s->ptr);
-            if (k > 0 && start <= list[2 * k - 2] + list[2 * k - 1] + MERGE_GAP) {
-                if (end > list[2 * k - 2] + list[2 * k - 1]) list[2 * k - 1] = end - list[2 * k - 2];
-                continue;
-            }
-            list[2 * k] = start;
-            list[2 * k + 1] = end - start;
-            k++;
-        }
-        s->live = list;
-        s->nlive = k;
+        if (n >= 0) s->live = ranges_in(s, pairs, n, MERGE_GAP, &s->nlive); /* NULL: all */
     }
     pthread_mutex_unlock(&lock);
     return 0;
+}
+
+/* What the next ij_sleep_into copies, as (address, length) pairs sorted by address: the live
+ * ranges whose contents changed since the last ij_sleep_into into the same file (the caller
+ * compares hashes; see block_hash.py). The rest of the live ranges is already in the file at
+ * the segments' offsets. n < 0: copy every live range. Used once, then forgotten. */
+int ij_set_copy(const unsigned long long *pairs, int n) {
+    int ok = 1;
+    pthread_mutex_lock(&lock);
+    copy_given = n >= 0;
+    for (Segment *s = segments; s; s = s->next) {
+        free(s->copy);
+        s->copy = NULL;
+        s->ncopy = 0;
+        if (n >= 0 && !(s->copy = ranges_in(s, pairs, n, 0, &s->ncopy))) ok = 0;
+    }
+    if (!ok) copy_given = 0; /* out of memory: copy everything */
+    pthread_mutex_unlock(&lock);
+    return ok ? 0 : -1;
+}
+
+/* Give each segment on the GPU that has none an offset in the arena file, after every offset
+ * given before: a segment keeps its offset from one snapshot to the next, so the file's bytes
+ * of an unchanged range are already where the next snapshot would write them. Returns the
+ * file's length. (Called with the lock held.) */
+static size_t place_segments(void) {
+    size_t end = 0;
+    for (Segment *s = segments; s; s = s->next)
+        if (s->placed && s->offset + s->size > end) end = s->offset + s->size;
+    for (Segment *s = segments; s; s = s->next) {
+        if (!s->mapped || s->placed) continue;
+        s->offset = end;
+        s->placed = 1;
+        end += s->size;
+    }
+    return end;
+}
+
+/* The segments on the GPU as (address, size, file offset) triples, at most `max`; the count.
+ * Gives offsets to the segments that had none (place_segments). */
+int ij_layout(unsigned long long *out, int max) {
+    int k = 0;
+    pthread_mutex_lock(&lock);
+    place_segments();
+    for (Segment *s = segments; s; s = s->next) {
+        if (!s->mapped) continue;
+        if (k < max) {
+            out[3 * k] = s->ptr;
+            out[3 * k + 1] = s->size;
+            out[3 * k + 2] = s->offset;
+        }
+        k++;
+    }
+    pthread_mutex_unlock(&lock);
+    return k;
 }
 
 /* Copy a segment's live ranges (or all of it) between the GPU and base + s->offset, each
@@ -349,6 +415,10 @@ static CUresult copy_live(Segment *s, char *base, int to_host, long long *moved)
     size_t one[2] = {0, s->size};
     size_t *r = s->live ? s->live : one;
     int n = s->live ? s->nlive : 1;
+    if (to_host && copy_given) { /* only what changed (ij_set_copy) */
+        r = s->copy;
+        n = s->ncopy;
+    }
     for (int i = 0; i < n; i++) {
         char *host = base + s->offset + r[2 * i];
         CUdeviceptr dev = s->ptr + r[2 * i];
@@ -384,27 +454,42 @@ static void punch_dead(int fd, Segment *s) {
     }
 }
 
-/* Like ij_sleep, but into the file `fd` (resized to the bytes on the GPU): segment after
- * segment, in list order, each at its offset. Returns the bytes moved, or -1 (segments already
- * moved stay in the file; ij_wake_from brings them back). */
+/* Give the file's pages back between the segments on the GPU (where segments freed since an
+ * earlier snapshot were). */
+static void punch_gaps(int fd, size_t end) {
+    size_t at = 0;
+    for (;;) {
+        size_t next = end; /* the first segment at or after `at` */
+        const Segment *first = NULL;
+        for (const Segment *s = segments; s; s = s->next)
+            if (s->mapped && s->offset >= at && s->offset < next) { next = s->offset; first = s; }
+        size_t from = (at + 4095) / 4096 * 4096, to = next / 4096 * 4096;
+        if (to > from)
+            fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)from, (off_t)(to - from));
+        if (!first) return;
+        at = first->offset + first->size;
+    }
+}
+
+/* Like ij_sleep, but into the file `fd`: each segment at its offset (kept from the last time,
+ * place_segments), the file as long as the last segment's end, nothing kept between them.
+ * Returns the bytes moved, or -1 (segments already moved stay in the file; ij_wake_from brings
+ * them back). The copy list of ij_set_copy is forgotten either way. */
 long long ij_sleep_into(int fd) {
-    size_t end = 0;
     long long moved = 0;
     if (!load()) return -1;
     pthread_mutex_lock(&lock);
-    for (Segment *s = segments; s; s = s->next) end += s->mapped ? s->size : 0;
-    if (end == 0) { pthread_mutex_unlock(&lock); return 0; }
+    int any = 0;
+    for (Segment *s = segments; s; s = s->next) any |= s->mapped;
+    if (!any) { copy_given = 0; pthread_mutex_unlock(&lock); return 0; }
+    size_t end = place_segments();
     struct stat st;
     if (fstat(fd, &st) != 0 || ((size_t)st.st_size != end && ftruncate(fd, (off_t)end) != 0))
         goto fail_locked;
     if (cu.synchronize() != 0) goto fail_locked;
-    end = 0;
-    for (Segment *s = segments; s; s = s->next) {
-        if (!s->mapped) continue;
-        s->offset = end;
-        punch_dead(fd, s);
-        end += s->size;
-    }
+    punch_gaps(fd, end);
+    for (Segment *s = segments; s; s = s->next)
+        if (s->mapped) punch_dead(fd, s);
     char *base = map_file(fd, end, 1);
     if (!base) goto fail_locked;
     for (Segment *s = segments; s; s = s->next) {
@@ -417,9 +502,11 @@ long long ij_sleep_into(int fd) {
         s->in_file = 1;
     }
     unmap_file(base, end);
+    copy_given = 0;
     pthread_mutex_unlock(&lock);
     return moved;
 fail_locked:
+    copy_given = 0;
     pthread_mutex_unlock(&lock);
     return -1;
 }

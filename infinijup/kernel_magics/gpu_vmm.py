@@ -34,7 +34,9 @@ from ..gpu.arena import SEGMENTS
 
 GO_TIMEOUT_S = 600.0
 _state: dict = {"armed": False, "installed": False, "why_not": None, "told": False,
-                "in_file": None, "token": None}
+                "in_file": None, "token": None,
+                # the blocks' hashes of the last snapshot, and the arena file they describe
+                "hashes": None, "hashed_file": None}
 
 
 def arena_path() -> str | None:
@@ -121,6 +123,8 @@ def offload() -> dict | None:
     if path is None:
         return None
     t0 = time.perf_counter()
+    hashes, before, changed_s = None, _state["hashes"], None
+    _state["hashes"] = None  # until this snapshot's are in the file
     try:
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         # The server reads the file of the previous snapshot under a shared lock until it is
@@ -128,7 +132,11 @@ def offload() -> dict | None:
         lock = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            vmm.mark_live()
+            identity = _identity(lock)
+            if identity != _state["hashed_file"]:
+                before = None  # another file: nothing in it can be skipped
+            copy, hashes, changed_s = _changed(vmm, before)
+            vmm.set_copy(copy if before is not None else None)
             moved = vmm.sleep_into(path)
         finally:
             os.close(lock)
@@ -140,9 +148,38 @@ def offload() -> dict | None:
             pass
         return {"fallback": f"the segments could not be moved into {path}: {exc}"}
     _state["in_file"], _state["token"] = path, uuid.uuid4().hex
+    _state["hashes"], _state["hashed_file"] = hashes, identity
     stats = vmm.stats()
-    return {"bytes": moved, "segments": stats["segments"], "segment_bytes": stats["bytes"],
-            "seconds": round(time.perf_counter() - t0, 3), "token": _state["token"]}
+    out = {"bytes": moved, "segments": stats["segments"], "segment_bytes": stats["bytes"],
+           "seconds": round(time.perf_counter() - t0, 3), "token": _state["token"]}
+    if changed_s is not None:
+        out["hash_seconds"] = round(changed_s, 3)
+    return out
+
+
+def _identity(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return (st.st_dev, st.st_ino)
+
+
+def _changed(vmm, before: dict | None) -> tuple[list | None, dict | None, float | None]:  # noqa: ANN001
+    """The live ranges to copy into the arena (those whose blocks changed since ``before``,
+    the last snapshot's hashes), this snapshot's hashes, and the seconds the hashing took.
+    Without the means to hash, every live range is copied and no hashes are kept."""
+    from ..gpu import block_hash
+
+    try:
+        block_hash.prepare()  # its multipliers are live memory: allocated before the ranges
+        ranges = vmm.mark_live()
+        t0 = time.perf_counter()
+        copy, hashes = block_hash.changed(ranges, vmm.layout(), before)
+        seconds = time.perf_counter() - t0
+        if vmm.mark_live() != ranges:  # the hashing's own memory changed what is live
+            return None, None, seconds
+        return copy, hashes, seconds
+    except Exception:
+        vmm.mark_live()
+        return None, None, None
 
 
 def _fallback_once() -> dict | None:
@@ -196,6 +233,10 @@ def bring_back(restored: bool = False, source: str | None = None) -> dict | None
     if stats["on_gpu"] == stats["bytes"]:
         return None
     word = _await_go(_state["token"])
+    if restored or word.get("source"):
+        # a restore: the memory comes from the snapshot's copy, and the arena file holds
+        # something else; the next snapshot copies every live range again
+        _state["hashes"] = _state["hashed_file"] = None
     path = word.get("source") or source or (None if restored else _state["in_file"])
     if not isinstance(path, str):
         raise RuntimeError("the snapshot's GPU segments were not given back to the kernel")
