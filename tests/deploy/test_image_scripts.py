@@ -3,6 +3,9 @@
 - start.sh (the image's entry point) with a real helper: the helper starts as root and
   answers; the server's process runs as the notebook user with no capability in any set and
   no_new_privs; no seal key, no start.
+- the seal key's init container (its command, from the values): the key lands root-only in
+  the work dir, run as root without any capability, from a Secret volume laid out as the
+  kubelet does (symlinks, group fsGroup); a key of the wrong size stops the pod.
 - node_check.sh (the GPU nodes' preflight): a good node passes; an old driver or no driver
   fails, saying why. The NVIDIA version file is a stand-in (this machine has no GPU); the
   kernel, `criu check` and the helper are real.
@@ -26,6 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE = ROOT / "deploy" / "images" / "singleuser"
@@ -144,6 +148,66 @@ def test_start_refuses_without_the_seal_key(base: Path) -> None:
     assert done.returncode == 1
     assert "no seal key" in done.stderr
     assert not (base / "run" / "helper.pid").exists()
+
+
+# -- the seal key's init container --------------------------------------------------------
+
+def _init_script(work: Path, secret: Path) -> str:
+    """The values' init container command, on this machine's paths."""
+    values = yaml.safe_load((ROOT / "deploy" / "jupyterhub" / "values.yaml").read_text())
+    (init,) = values["singleuser"]["initContainers"]
+    script = init["command"][-1]
+    assert "/var/lib/infinijup/work" in script and "/etc/infinijup/seal" in script
+    return (script.replace("/var/lib/infinijup/work", str(work))
+            .replace("/etc/infinijup/seal", str(secret)))
+
+
+def _secret_volume(base: Path, key: bytes) -> Path:
+    """A Secret volume as the kubelet lays it out: the file behind ``..data`` symlinks,
+    group fsGroup (100) and group-readable."""
+    secret = base / "secret"
+    data = secret / "..2026_11_23_00_00_00.000000001"
+    data.mkdir(parents=True)
+    (data / "seal-key").write_bytes(key)
+    os.chown(data / "seal-key", 0, 100)
+    (data / "seal-key").chmod(0o440)
+    (secret / "..data").symlink_to(data.name)
+    (secret / "seal-key").symlink_to("..data/seal-key")
+    return secret
+
+
+def _empty_dir(base: Path) -> Path:
+    """An emptyDir as the kubelet makes it with fsGroup 100: 0777, group 100, setgid."""
+    work = base / "work"
+    work.mkdir()
+    os.chown(work, 0, 100)
+    work.chmod(0o2777)
+    return work
+
+
+@needs_root
+def test_the_init_container_puts_the_seal_key_root_only_in_the_work_dir(base: Path) -> None:
+    key = os.urandom(32)
+    work, secret = _empty_dir(base), _secret_volume(base, key)
+    # drop: [ALL]: root without a single capability, as the init container runs
+    done = subprocess.run(["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--",
+                           "sh", "-c", _init_script(work, secret)],
+                          capture_output=True, text=True, timeout=HANG_GUARD)
+    assert done.returncode == 0, done.stderr
+    st = os.lstat(work / ".seal-key")
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (0, 0, 0o600)
+    assert (work / ".seal-key").read_bytes() == key
+    st = os.stat(work)
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (0, 0, 0o711)
+
+
+@needs_root
+def test_the_init_container_refuses_a_key_that_is_not_32_bytes(base: Path) -> None:
+    work, secret = _empty_dir(base), _secret_volume(base, os.urandom(31))
+    done = subprocess.run(["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--",
+                           "sh", "-c", _init_script(work, secret)],
+                          capture_output=True, text=True, timeout=HANG_GUARD)
+    assert done.returncode != 0
 
 
 # -- the node check ------------------------------------------------------------------------
