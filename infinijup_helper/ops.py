@@ -43,6 +43,7 @@ from .creds import (
 )
 from .criu import Criu, KeyedLocks
 from .cuda_stage import CudaResumeAfterDump, CudaResumeRestored, CudaSuspend, resume_tree
+from .host_files import CheckHostFiles
 from .limits import Limits, caller_rlimits
 from .paths import WorkDirs, check_target_free, remove_entry
 from .proc import Caller, authorize_members, owns, read_proc
@@ -166,6 +167,7 @@ class Operations:
         stages: list[Stage] = [
             StageImages(self.criu, self.sealer),
             RetargetImages(self.criu),
+            CheckHostFiles(self.criu, self.python),  # what CRIU would not reopen: refused now
             KillReplaced(),
             CriuRestore(self.criu),
         ]

@@ -136,7 +136,9 @@ class Sealer:
         except (ValueError, KeyError, TypeError, AttributeError):
             raise untrusted(f"{SEAL_NAME} is malformed") from None
         if not hmac.compare_digest(mac, self._mac(owner, files)):
-            raise untrusted("the seal does not match (modified, or dumped by another helper)")
+            raise untrusted("the seal does not match (modified, or dumped by another helper: "
+                            "to restore another machine's snapshots, its helper and this one "
+                            "must have the same seal key, the .seal-key of their work dirs)")
         for name in files:
             if "/" in name or name in (".", "..") or not is_sealed_name(name):
                 raise untrusted(f"the seal names an invalid file {name!r}")

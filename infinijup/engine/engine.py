@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import InfinijupError, RestoreFailed, SnapshotFailed
+from ..errors import InfinijupError, PreflightRefused, RestoreFailed, SnapshotFailed
 from ..process import start_time
 from ..store.errors import RefConflict
 from ..store.faults import holdpoint
@@ -415,6 +415,9 @@ class SnapshotEngine:
                                          on_progress=progress, gpu_map=gpu_map,
                                          port_map=port_map, log_path=log_path)
         except InfinijupError as exc:
+            if getattr(exc, "reason", None) == "missing_files":  # refused before any kill
+                raise PreflightRefused(f"cannot restore here: {exc}",
+                                       reason="missing_files") from exc
             failed = RestoreFailed(f"restore failed: {exc}", reason=getattr(exc, "reason", None))
             # The helper vanished while CRIU was restoring: CRIU (its child) may still finish,
             # leaving a restored tree that nobody was told about (see orphans.py).

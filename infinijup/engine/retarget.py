@@ -49,8 +49,10 @@ def why_not_retargetable(saved: dict, target: dict) -> str | None:
                 "it can only go back into the kernel session that took it")
     if saved["key"] != _text(target.get("key")):
         return ("this snapshot's kernel signs with another key than this user's Infinijup "
-                "kernels (made by another account, or before the key file was replaced): it "
-                "can only go back into the kernel session that took it")
+                "kernels (made by another account, or before the key file was replaced, or on "
+                "another machine: copy that machine's ~/.local/share/infinijup/kernel.key, or "
+                "$INFINIJUP_KERNEL_KEY_FILE, to the same place here): it can only go back "
+                "into the kernel session that took it")
     return None
 
 
@@ -67,8 +69,9 @@ def plan_retarget(saved: dict, target: dict) -> Retarget:
     return Retarget(port_map)
 
 
-def adopt_expression(kernel_id: str, server_url: str, results_dir: str) -> str:
+def adopt_expression(kernel_id: str, server_url: str, results_dir: str,
+                     connection_file: str | None = None) -> str:
     """The user expression that tells a restored kernel which kernel it now is, and which server
-    it now belongs to (its URL, the directory its answers land in)."""
+    it now belongs to (its URL, the directory its answers land in, its connection file)."""
     return (f"__import__('infinijup.kernel_magics.retarget', fromlist=['_'])"
-            f".adopt({kernel_id!r}, {server_url!r}, {results_dir!r})")
+            f".adopt({kernel_id!r}, {server_url!r}, {results_dir!r}, {connection_file!r})")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from ..errors import BadRequest, PreflightRefused
-from .fingerprint import Fingerprint, mismatches, remap
+from .fingerprint import Fingerprint, _major, mismatches, remap
 from .preflight import read_nvml
 
 
@@ -21,17 +23,18 @@ def plan_gpu_restore(metadata: dict, *, force: bool = False,
         if requested:
             raise BadRequest("this snapshot holds no GPU state: gpu_map does not apply")
         return ()
+    saved = Fingerprint.from_json(saved_json)
     try:
         current = read_nvml().fingerprint
     except PreflightRefused as exc:
-        raise PreflightRefused(f"this snapshot holds GPU state, but {exc.message}",
-                               reason="gpu_mismatch") from None
-    saved = Fingerprint.from_json(saved_json)
+        raise PreflightRefused(f"this snapshot holds GPU state ({needs(saved)}), but "
+                               f"{exc.message}", reason="gpu_mismatch") from None
     reasons = mismatches(saved, current)
     if reasons and not force:
         raise PreflightRefused(
             "this snapshot's GPU state cannot be restored here: " + "; ".join(reasons)
-            + " (restore with \"force\": true to try anyway)", reason="gpu_mismatch")
+            + f"; {needs(saved)} (restore with \"force\": true to try anyway)",
+            reason="gpu_mismatch")
     mapping = dict(remap(saved, current))
     here = {g.uuid for g in current.gpus}
     for old, new in (requested or {}).items():
@@ -45,6 +48,14 @@ def plan_gpu_restore(metadata: dict, *, force: bool = False,
     if all(old == new for old, new in mapping.items()):
         return ()
     return tuple(sorted(mapping.items()))
+
+
+def needs(saved: Fingerprint) -> str:
+    """What a machine must have to take a snapshot's GPU state, in words."""
+    models = Counter(g.name for g in saved.gpus)
+    gpus = " and ".join(f"{n} x {name}" for name, n in sorted(models.items())) or "GPUs"
+    driver = _major(saved.driver_version)
+    return f"it needs {gpus}" + (f" under an NVIDIA driver {driver}.x" if driver else "")
 
 
 def check_gpu_fingerprint(metadata: dict) -> None:

@@ -57,6 +57,8 @@ from ..kernel_key import user_kernel_key
 from ..kernel_magics import agent
 from ..provisioner import InfinijupProvisioner
 from ..store import Repository, default_store_path
+from ..store.errors import UnknownRef
+from ..store.objects import is_hex_id
 from .hibernation import Hibernation
 from .remote_tier import RemoteTier, budget_from_env, remote_from_env
 
@@ -549,7 +551,13 @@ class SnapshotManager(LoggingConfigurable):
         threads = notebook_threads(repo.threads(), key)
         if ref in threads:
             return threads[ref]
-        return repo.resolve(ref)
+        try:
+            return repo.resolve(ref)
+        except UnknownRef as exc:
+            if not is_hex_id(ref):
+                raise
+            raise UnknownRef(f"{exc.message} in this store: a snapshot of another machine "
+                             f"comes here with `infinijup store pull REMOTE {ref}`") from None
 
     async def restore(self, kernel_id: str, ref: str, *, branch: str | None = None,
                       wait_idle: bool = False, force: bool = False,
@@ -618,7 +626,8 @@ class SnapshotManager(LoggingConfigurable):
                 raise
             if not retarget.same_session:
                 await run_agent(km, adopt_expression(kernel_id, self.serverapp.connection_url,
-                                                   str(config.results_dir())),
+                                                   str(config.results_dir()),
+                                                   km.connection_file or None),
                                 self.busy_timeout)
             await self._resume(km, restored=True, segments=segments)
             self.hibernation.restored(kernel_id)  # a hibernated kernel restored: awake

@@ -41,7 +41,7 @@ pytestmark = needs_root_and_criu
 
 MUTATIONS_PER_KIND = int(os.environ.get("INFINIJUP_IMAGE_FUZZ_ROUNDS", "3"))
 O_WRONLY, O_RDWR, O_APPEND, O_CREAT, O_TRUNC = 0o1, 0o2, 0o2000, 0o100, 0o1000
-ALLOWED = {"ok", "criu_failed", "permission_denied", "bad_request"}
+ALLOWED = {"ok", "criu_failed", "permission_denied", "bad_request", "missing_files"}
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ pytestmark = [needs_helper, pytest.mark.timeout(300)]
 
 REASONS = {"protocol_version", "unknown_op", "bad_request", "request_too_large", "bad_path",
            "permission_denied", "no_such_process", "unsupported", "spawn_failed", "criu_failed",
-           "timeout", "busy"}
+           "timeout", "busy", "missing_files"}
 STRUCTURED = int(os.environ.get("INFINIJUP_FUZZ_EXAMPLES", "3000"))
 RAW = STRUCTURED // 3
 

@@ -153,26 +153,28 @@ async def test_restore_of_damaged_images(notebook, jp_serverapp, rhelper, store_
 
 
 async def test_restore_that_criu_refuses(notebook, jp_serverapp, rhelper, store_path):
-    """CRIU fails after the old kernel was replaced: a file the snapshot's kernel had open was
-    deleted since. The kernel is restarted fresh, the reason is shown, and every snapshot is
-    still there: once the file is back, the same snapshot restores."""
+    """CRIU fails after the old kernel was replaced: a directory the snapshot's kernel had open
+    has another mode since (an absent file is refused before the kill: host_files.py; a
+    directory's mode is left to CRIU). The kernel is restarted fresh, the reason is shown, and
+    every snapshot is still there: once the mode is back, the same snapshot restores."""
     nb = notebook
     data = Path(tempfile.mkdtemp(prefix="ij-open-")) / "data.txt"
     data.write_text("".join(f"line {i}\n" for i in range(100)))
     digest = await fill(nb, 100, seed=64)
-    await nb.execute(f"fh = open({str(data)!r}); first = fh.readline()\nx = 'snapshotted'")
+    await nb.execute(f"fh = open({str(data)!r}); first = fh.readline()\nx = 'snapshotted'\n"
+                     f"import os; dfd = os.open({str(data.parent)!r}, os.O_RDONLY)")
     snap = await nb.snapshot(message="holds a file open")
     await nb.execute("x = 'current'")
     old_root = provisioner(jp_serverapp, nb.kernel_id).root_pid
-    saved = data.read_bytes()
-    data.unlink()
+    saved = os.stat(data.parent).st_mode & 0o7777
+    os.chmod(data.parent, saved ^ 0o055)
     before = store_state(store_path)
     try:
         r = await nb.post("restore", {"kernel_id": nb.kernel_id, "commit": snap["commit"]})
         assert r.code == 500, r.body
         body = json.loads(r.body)
         assert body["reason"] == "criu_failed", body
-        assert "CRIU restore failed" in body["message"] and data.name in body["message"], body
+        assert "CRIU restore failed" in body["message"] and data.parent.name in body["message"], body
         assert "restarted fresh; every snapshot is intact" in body["message"], body
         print(f"CRIU refused: {body['message'][:1500]}")
         await wait_restarted(nb, jp_serverapp, old_root)
@@ -181,7 +183,7 @@ async def test_restore_that_criu_refuses(notebook, jp_serverapp, rhelper, store_
         assert_store_ok(store_path)
         assert rhelper.staging_entries() == []
         assert rhelper.user_entries() == {"images": [], "restore": []}
-        data.write_bytes(saved)
+        os.chmod(data.parent, saved)
         await nb.restore(snap["commit"])
         await state_intact(nb, digest, {"x": "snapshotted", "fh.readline()": "line 1\n"})
     finally:
