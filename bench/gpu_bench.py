@@ -60,6 +60,14 @@ from infinijup.store import Repository
 from infinijup_helper.cuda_stage import cuda_pids
 
 
+def segment_parts(segments: dict) -> str | None:
+    """The way out of the VMM segments, part by part (kernel_magics/gpu_vmm.py's report)."""
+    keys = ("hash_s", "populate_s", "register_s", "copy_s", "unregister_s")
+    if not any(k in segments for k in keys):
+        return None
+    return " / ".join(f"{segments.get(k, 0):.2f}" for k in keys)
+
+
 def one_size(size_gb: float, store_dir: Path, shm: Path) -> dict:
     km = KernelManager(kernel_name="infinijup")
     km.start_kernel()
@@ -348,6 +356,7 @@ def llama_row(name: str, work: str, hot_tier_bytes: int | None, shm: Path,
         segments = stats.get("gpu_segments") or {}
         row.update(segments_gb=segments.get("bytes", 0) / GB,
                    segments_s=segments.get("seconds"),
+                   segments_parts=segment_parts(segments),
                    pause_with_quiesce_s=stats["pause_s"] + stats["quiesce_s"])
         expect = kernel.evaluate(s="sample()")["s"]  # the draw right after the snapshot
 
@@ -355,8 +364,12 @@ def llama_row(name: str, work: str, hot_tier_bytes: int | None, shm: Path,
         execute(kernel.kc, SMALL_CHANGE, timeout=600)
         second = snapshot_with_next_cell(server, kernel, kernel_id, "llama, one MLP changed")
         s2 = second["body"]["stats"]
+        seg2 = s2.get("gpu_segments") or {}
         row.update(second_pause_s=s2["pause_s"],
                    second_pause_with_quiesce_s=s2["pause_s"] + s2["quiesce_s"],
+                   second_quiesce_s=s2["quiesce_s"],
+                   second_segments_gb=seg2.get("bytes", 0) / GB,
+                   second_segments_parts=segment_parts(seg2),
                    second_next_cell_s=second["next_cell_s"],
                    second_stored_gb=s2["stored_bytes"] / GB,
                    second_stored_vs_live=s2["stored_bytes"] / int(ev["live"]))
@@ -445,6 +458,7 @@ LLAMA_METRICS = [
     ("criu_dump_s", "CRIU dump s"), ("cuda_resume_s", "CUDA resume s"),
     ("publish_s", "publish s"), ("pause_s", "pause s"),
     ("segments_gb", "VMM segments moved GB"), ("segments_s", "VMM segments out s (in quiesce)"),
+    ("segments_parts", "  of which hash / populate / pin / copy / unpin s"),
     ("pause_with_quiesce_s", "quiesce + pause s"),
     ("next_cell_s", "next cell answered after Snapshot s"),
     ("running_again_s", "kernel running again s"), ("ingest_s", "ingest s"),
@@ -458,6 +472,8 @@ LLAMA_METRICS = [
     ("pause_vs_floor", "pause / (driver ckpt + raw dump + driver restore)"),
     ("pause_vs_pcie", "pause / (live VRAM at pinned D2H)"),
     ("second_pause_with_quiesce_s", "2nd snapshot (one MLP changed): quiesce + pause s"),
+    ("second_quiesce_s", "2nd: quiesce s"), ("second_segments_gb", "2nd: VMM segments copied GB"),
+    ("second_segments_parts", "2nd: hash / populate / pin / copy / unpin s"),
     ("second_next_cell_s", "2nd: next cell answered after Snapshot s"),
     ("second_stored_gb", "2nd: stored GB"), ("second_stored_vs_live", "2nd: stored / live VRAM"),
     ("restore_hot_s", "restore to first answer, hot s"), ("hot_source", "images from"),

@@ -38,6 +38,7 @@ def _lib() -> ctypes.CDLL:
         lib.ij_set_live.argtypes = [ctypes.c_void_p, ctypes.c_int]
         lib.ij_set_copy.argtypes = [ctypes.c_void_p, ctypes.c_int]
         lib.ij_layout.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        lib.ij_timings.argtypes = [ctypes.c_void_p]
         _state["lib"] = lib
     return _state["lib"]
 
@@ -164,3 +165,12 @@ def wake_from(path: str | os.PathLike) -> int:
     if moved < 0:
         raise RuntimeError(f"VMM wake from {path} failed (CUDA error {lib.ij_last_error()})")
     return int(moved)
+
+
+def timings() -> dict[str, float]:
+    """Seconds the last :func:`sleep_into` or :func:`wake_from` spent making file pages
+    present, pinning them, copying and unpinning."""
+    out = (ctypes.c_double * 4)()
+    _lib().ij_timings(out)
+    return {k: round(v, 3) for k, v in zip(("populate_s", "register_s", "copy_s", "unregister_s"),
+                                           out, strict=True)}

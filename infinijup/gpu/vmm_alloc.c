@@ -16,6 +16,7 @@
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <time.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -409,6 +410,20 @@ int ij_layout(unsigned long long *out, int max) {
     return k;
 }
 
+/* Seconds spent by the last ij_sleep_into or ij_wake_from: making pages present, pinning them,
+ * copying, unpinning (ij_timings). */
+static double spent[4];
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
+}
+
+void ij_timings(double *out) {
+    for (int i = 0; i < 4; i++) out[i] = spent[i];
+}
+
 /* Copy a segment's live ranges (or all of it) between the GPU and base + s->offset, each
  * range's pages made present (in parallel when large) and pinned around its copy. */
 static CUresult copy_live(Segment *s, char *base, int to_host, long long *moved) {
@@ -425,11 +440,19 @@ static CUresult copy_live(Segment *s, char *base, int to_host, long long *moved)
         size_t len = r[2 * i + 1];
         char *page = (char *)((uintptr_t)host & ~(uintptr_t)4095);
         size_t span = (size_t)(host + len - page + 4095) / 4096 * 4096;
+        double t0 = now_s();
         if (span >= PARALLEL_POPULATE) populate(page, span, to_host);
+        double t1 = now_s();
         /* CU_MEMHOSTREGISTER_READ_ONLY (8) when the file is only read; unpinned copies work */
         int pinned = cu.host_register(page, span, to_host ? 0 : 8) == 0;
+        double t2 = now_s();
         CUresult res = to_host ? cu.dtoh(host, dev, len) : cu.htod(dev, host, len);
+        double t3 = now_s();
         if (pinned) cu.host_unregister(page);
+        spent[0] += t1 - t0;
+        spent[1] += t2 - t1;
+        spent[2] += t3 - t2;
+        spent[3] += now_s() - t3;
         if (res != 0) return res;
         *moved += (long long)len;
     }
@@ -479,6 +502,7 @@ long long ij_sleep_into(int fd) {
     long long moved = 0;
     if (!load()) return -1;
     pthread_mutex_lock(&lock);
+    for (int i = 0; i < 4; i++) spent[i] = 0;
     int any = 0;
     for (Segment *s = segments; s; s = s->next) any |= s->mapped;
     if (!any) { copy_given = 0; pthread_mutex_unlock(&lock); return 0; }
@@ -519,6 +543,7 @@ long long ij_wake_from(int fd) {
     size_t need = 0;
     if (!load()) return -1;
     pthread_mutex_lock(&lock);
+    for (int i = 0; i < 4; i++) spent[i] = 0;
     for (Segment *s = segments; s; s = s->next)
         if (!s->mapped && s->in_file && s->offset + s->size > need) need = s->offset + s->size;
     if (need == 0) { pthread_mutex_unlock(&lock); return 0; }

@@ -119,8 +119,9 @@ def _clean_segments(report: object) -> dict:
         return {"fallback": report["fallback"][:300]}
     out = {k: report[k] for k in ("bytes", "segments", "segment_bytes")
            if type(report.get(k)) is int and report[k] >= 0}
-    if isinstance(report.get("seconds"), (int, float)) and report["seconds"] >= 0:
-        out["seconds"] = float(report["seconds"])
+    for key in ("seconds", "hash_s", "populate_s", "register_s", "copy_s", "unregister_s"):
+        if isinstance(report.get(key), (int, float)) and report[key] >= 0:
+            out[key] = float(report[key])
     token = report.get("token")
     if isinstance(token, str) and len(token) == 32 and all(c in "0123456789abcdef" for c in token):
         out["token"] = token

@@ -153,7 +153,8 @@ def offload() -> dict | None:
     out = {"bytes": moved, "segments": stats["segments"], "segment_bytes": stats["bytes"],
            "seconds": round(time.perf_counter() - t0, 3), "token": _state["token"]}
     if changed_s is not None:
-        out["hash_seconds"] = round(changed_s, 3)
+        out["hash_s"] = round(changed_s, 3)
+    out.update(vmm.timings())
     return out
 
 
