@@ -91,7 +91,23 @@ def ensure_user() -> Any:
 
 
 def remove_user(user: Any) -> None:
+    """``userdel``, once the account's processes are gone (a hang guard: 60 s)."""
+    import psutil
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(
+            _uid_of(p) == user.pw_uid for p in psutil.process_iter()):
+        time.sleep(0.05)
     subprocess.run(["userdel", user.pw_name], check=False, capture_output=True)
+
+
+def _uid_of(proc: Any) -> int | None:
+    import psutil
+
+    try:
+        return None if proc.status() == psutil.STATUS_ZOMBIE else proc.uids().real
+    except psutil.Error:
+        return None
 
 
 def chown_tree(path: Path, user: Any) -> None:
@@ -109,10 +125,11 @@ def namespaces_missing() -> str | None:
         if shutil.which(tool) is None:
             return f"{tool} is not installed (util-linux / iproute2): no namespaces for machine B"
     probe = subprocess.run(["unshare", "--mount", "--uts", "--net", "--propagation", "private",
-                            "true"], capture_output=True, text=True)
+                            "sh", "-c", "mount -t tmpfs tmpfs /tmp && hostname probe && "
+                            "ip link set lo up"], capture_output=True, text=True)
     if probe.returncode != 0:
-        return ("cannot create mount, UTS and network namespaces here (a restricted "
-                f"container?): {probe.stderr.strip()}")
+        return ("cannot make mount, UTS and network namespaces (with a tmpfs, a hostname and "
+                f"a loopback) here: a restricted container? {probe.stderr.strip()}")
     return None
 
 
@@ -131,20 +148,21 @@ class Machine:
         self.hostname = hostname or socket.gethostname()
         self.machine_id = machine_id
         self.procs: list[subprocess.Popen] = []
+        self.daemons: list[subprocess.Popen] = []  # helpers: stopped after everything else
 
     # --- namespaces ---------------------------------------------------------------------------
     @classmethod
     def own(cls, name: str, root: Path) -> Machine:
         """A machine in namespaces of its own (see the module docs)."""
         hostname = f"{name}-{secrets.token_hex(3)}"
-        machine_id = secrets.token_hex(16)
+        machine_id = secrets.token_hex(16) if os.path.exists("/etc/machine-id") else None
         setup = "; ".join([
             "set -e",
             "mount -t tmpfs -o mode=1777 tmpfs /tmp",
             "mount -t tmpfs -o mode=0755 tmpfs /run",
             "mount -t tmpfs -o mode=1777 tmpfs /dev/shm",
-            f"echo {machine_id} > /run/machine-id",
-            "if [ -e /etc/machine-id ]; then mount --bind /run/machine-id /etc/machine-id; fi",
+            *([f"echo {machine_id} > /run/machine-id",
+               "mount --bind /run/machine-id /etc/machine-id"] if machine_id else []),
             f"hostname {hostname}",
             "ip link set lo up",
             f"mkdir -p -m 0755 {root}",
@@ -177,7 +195,8 @@ class Machine:
         return Path(f"/proc/{self.holder.pid}/root") / Path(inside).relative_to("/")
 
     def spawn(self, argv: list[str], *, env: dict[str, str] | None = None,
-              log: Path | None = None, net: bool = True, **kwargs: Any) -> subprocess.Popen:
+              log: Path | None = None, net: bool = True, daemon: bool = False,
+              **kwargs: Any) -> subprocess.Popen:
         out = open(self.path(log), "ab") if log is not None else None  # noqa: SIM115
         if out is not None:
             kwargs.update(stdout=out, stderr=subprocess.STDOUT)
@@ -186,7 +205,7 @@ class Machine:
         finally:
             if log is not None:
                 out.close()
-        self.procs.append(proc)
+        (self.daemons if daemon else self.procs).append(proc)
         return proc
 
     def run(self, argv: list[str], *, env: dict[str, str] | None = None, net: bool = True,
@@ -195,13 +214,32 @@ class Machine:
                               text=True, timeout=timeout)
 
     def close(self) -> None:
-        for proc in reversed(self.procs):
+        # servers first: they shut their kernels down through the helper
+        for proc in [*reversed(self.procs), *reversed(self.daemons)]:
             _stop(proc)
         if self.holder is not None:
+            self._kill_leftovers()
             self.holder.stdin.close()
             _stop(self.holder)
         else:
             shutil.rmtree(self.root, ignore_errors=True)
+
+    def _kill_leftovers(self) -> None:
+        """SIGKILL what still runs in this machine's UTS namespace (only this test's processes
+        are there: kernels a failed test left behind), so that nothing outlives the test."""
+        assert self.holder is not None
+        try:
+            ours = os.readlink(f"/proc/{self.holder.pid}/ns/uts")
+        except OSError:
+            return
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == self.holder.pid:
+                continue
+            try:
+                if os.readlink(f"/proc/{entry}/ns/uts") == ours:
+                    os.kill(int(entry), signal.SIGKILL)
+            except OSError:
+                continue
 
     # --- the layout ------------------------------------------------------------------------------
     @property
@@ -264,7 +302,8 @@ class Helper:
         argv = [PYTHON, "-m", "infinijup_helper", "--socket", self.socket_path,
                 "--work", self.work_dir, "--criu", CRIU,
                 *os.environ.get("INFINIJUP_TEST_HELPER_ARGS", "").split()]
-        self.proc = self.machine.spawn(argv, env=helper_env(), log=self.log_path, cwd="/")
+        self.proc = self.machine.spawn(argv, env=helper_env(), log=self.log_path, cwd="/",
+                                       daemon=True)
         deadline = time.monotonic() + START_TIMEOUT
         while not socket_answers(str(self.machine.path(self.socket_path))):
             if self.proc.poll() is not None or time.monotonic() > deadline:
