@@ -348,9 +348,28 @@ def ensure_user(name: str = OTHER_USER) -> tuple[Any, bool]:
         pass
     if shutil.which("useradd") is None:
         pytest.skip("useradd is not installed: no second real account can be created")
-    subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
-                   check=True)
+    subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                    "--uid", str(unused_uid()), name], check=True)
     return pwd.getpwnam(name), True
+
+
+def unused_uid(first: int = 20000, last: int = 59999) -> int:
+    """A uid no account has and no process runs as. useradd alone would hand out the uid of
+    an account removed a moment ago, whose processes may still be exiting (or be another run's
+    leftovers): the new account would then own them, and a test counting its processes would
+    count theirs."""
+    import pwd
+
+    taken = {e.pw_uid for e in pwd.getpwall()}
+    for pid in os.listdir("/proc"):
+        try:
+            taken.add(os.stat(f"/proc/{pid}").st_uid if pid.isdigit() else -1)
+        except OSError:
+            continue
+    for uid in range(first, last + 1):
+        if uid not in taken:
+            return uid
+    raise RuntimeError(f"no free uid in {first}..{last}")
 
 
 def remove_user(user: Any, timeout: float = 60.0) -> None:

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -675,7 +676,13 @@ def test_kernels_get_the_callers_resource_limits(helper, limits_account) -> None
     work = as_user(limits_account, client.work_dir)["value"]
     argv = [SYSTEM_PYTHON, "-c", "import time; time.sleep(600)"]
     env = {"PATH": "/usr/bin:/bin"}
-    cap = _count_processes(limits_account.pw_uid) + 5  # room for two trees (init + kernel)
+    # The account is this test's: wait until the processes of earlier tests are gone (under
+    # load they can still be exiting), so that the cap leaves room for exactly what is meant.
+    deadline = time.monotonic() + 120
+    while _count_processes(limits_account.pw_uid):
+        assert time.monotonic() < deadline, "the test account's earlier processes never ended"
+        time.sleep(0.05)
+    cap = 5  # this process and room for two trees (init + kernel)
 
     def spawn_all() -> list[Any]:
         resource.setrlimit(resource.RLIMIT_NPROC, (cap, cap))

@@ -37,6 +37,7 @@ from helperkit import (  # noqa: E402
     HelperDaemon,
     make_base,
     socket_answers,
+    unused_uid,
 )
 
 sys.path.insert(0, str(TESTS / "kernel"))
@@ -403,8 +404,8 @@ def ensure_other_user() -> tuple[pwd.struct_passwd, bool]:
     try:
         return pwd.getpwnam(name), False
     except KeyError:
-        subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
-                       check=True)
+        subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                        "--uid", str(unused_uid()), name], check=True)
         return pwd.getpwnam(name), True
 
 

@@ -36,7 +36,15 @@ HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent
 sys.path.insert(0, str(TESTS / "helper"))
 sys.path.insert(0, str(TESTS / "store"))
-from helperkit import CRIU, MISSING, PYCRIU, PYTHON, helper_env, socket_answers  # noqa: E402
+from helperkit import (  # noqa: E402
+    CRIU,
+    MISSING,
+    PYCRIU,
+    PYTHON,
+    helper_env,
+    socket_answers,
+    unused_uid,
+)
 from s3server import S3Server, weed_binary  # noqa: E402 - the tests' real object store
 
 __all__ = ["Helper", "Machine", "S3Server", "Server", "namespaces_missing", "new_root",
@@ -85,8 +93,8 @@ def ensure_user() -> Any:
     try:
         return pwd.getpwnam(name)
     except KeyError:
-        subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
-                       check=True)
+        subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                        "--uid", str(unused_uid()), name], check=True)
         return pwd.getpwnam(name)
 
 
