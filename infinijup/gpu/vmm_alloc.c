@@ -456,10 +456,11 @@ static CUresult copy_live(Segment *s, char *base, int to_host, long long *moved)
 }
 
 /* The way out, pipelined: the copy ranges of every segment on the GPU, cut into pieces of at
- * most PIECE bytes, are made present by FILLERS threads, in order, ahead of the copy; the
- * calling thread pins, copies and unpins each piece once it is present. A new tmpfs file's page
- * allocations (about 4.5 GB/s on an H100 host, whatever the number of threads past four) then
- * overlap the pinning and the copy instead of adding to them. */
+ * most PIECE bytes, are made present and pinned by FILLERS threads, in order, ahead of the
+ * copy; the calling thread copies and unpins each piece once it is ready. A new tmpfs file's
+ * page allocations (about 4.5 GB/s on an H100 host, whatever the number of threads past four)
+ * and the pinning then overlap the copy instead of adding to it. The timings: spent[0] is the
+ * wait for pieces, spent[1] what the calling thread had to do itself. */
 #define PIECE (64u << 20)
 #define FILLERS 6
 
@@ -470,6 +471,7 @@ typedef struct {
     CUdeviceptr dev;
     size_t len;
     int ready;
+    int pinned;
 } Piece;
 
 typedef struct {
@@ -477,17 +479,20 @@ typedef struct {
     int count;
     int next;
     int stop;
+    CUcontext ctx; /* the caller's: pinning needs a current context in the filler threads */
     pthread_mutex_t m;
     pthread_cond_t c;
 } Plan;
 
 static void *fill_pieces(void *arg) {
     Plan *plan = arg;
+    if (plan->ctx) cu.ctx_set_current(plan->ctx);
     for (;;) {
         int i = __atomic_fetch_add(&plan->next, 1, __ATOMIC_SEQ_CST);
         if (i >= plan->count || __atomic_load_n(&plan->stop, __ATOMIC_SEQ_CST)) return NULL;
         Span sp = {plan->piece[i].page, plan->piece[i].span, 1};
         populate_span(&sp);
+        plan->piece[i].pinned = cu.host_register(sp.base, sp.len, 0) == 0;
         pthread_mutex_lock(&plan->m);
         plan->piece[i].ready = 1;
         pthread_cond_broadcast(&plan->c);
@@ -508,7 +513,7 @@ static int add_pieces(Piece **out, int *count, int *cap, char *host, CUdeviceptr
         }
         char *page = (char *)((uintptr_t)host & ~(uintptr_t)4095);
         (*out)[(*count)++] = (Piece){page, (size_t)(host + n - page + 4095) / 4096 * 4096, host,
-                                     dev, n, 0};
+                                     dev, n, 0, 0};
         host += n;
         dev += n;
         len -= n;
@@ -537,7 +542,8 @@ static CUresult copy_out_all(char *base, long long *moved) {
                 return 2; /* CUDA_ERROR_OUT_OF_MEMORY */
             }
     }
-    Plan plan = {piece, count, 0, 0, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+    Plan plan = {piece, count, 0, 0, 0, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+    if (cu.ctx_get_current(&plan.ctx) != 0) plan.ctx = 0;
     pthread_t threads[FILLERS];
     int started = 0;
     for (int t = 0; t < FILLERS && t < count; t++)
@@ -548,16 +554,17 @@ static CUresult copy_out_all(char *base, long long *moved) {
         pthread_mutex_lock(&plan.m);
         while (!piece[i].ready && started > 0) pthread_cond_wait(&plan.c, &plan.m);
         pthread_mutex_unlock(&plan.m);
-        if (!piece[i].ready) { /* no filler thread could start: make it present here */
+        double t1 = now_s();
+        if (!piece[i].ready) { /* no filler thread could start: do its part here */
             Span sp = {piece[i].page, piece[i].span, 1};
             populate_span(&sp);
+            piece[i].pinned = cu.host_register(piece[i].page, piece[i].span, 0) == 0;
         }
-        double t1 = now_s();
-        int pinned = cu.host_register(piece[i].page, piece[i].span, 0) == 0;
         double t2 = now_s();
         res = cu.dtoh(piece[i].host, piece[i].dev, piece[i].len);
         double t3 = now_s();
-        if (pinned) cu.host_unregister(piece[i].page);
+        if (piece[i].pinned) cu.host_unregister(piece[i].page);
+        piece[i].pinned = 0;
         spent[0] += t1 - t0;
         spent[1] += t2 - t1;
         spent[2] += t3 - t2;
@@ -566,6 +573,8 @@ static CUresult copy_out_all(char *base, long long *moved) {
     }
     __atomic_store_n(&plan.stop, 1, __ATOMIC_SEQ_CST);
     for (int t = 0; t < started; t++) pthread_join(threads[t], NULL);
+    for (int i = 0; i < count; i++) /* pinned ahead of a copy that failed */
+        if (piece[i].pinned) cu.host_unregister(piece[i].page);
     free(piece);
     return res;
 }
