@@ -21,12 +21,14 @@ import json
 import os
 import secrets
 import select
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -147,6 +149,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def fresh_tmpfs(base: str, mode: str, hold: Path) -> list[str]:
+    """Shell lines (run in B's new mount namespace) that put a fresh tmpfs on ``base`` but keep
+    this checkout and its Python environment where they are when they live under ``base`` (a
+    clone in /tmp, as CI's may be): the old ``base`` is bound aside under ``hold`` first, and
+    those paths are bound back onto the new tmpfs. The rest of the old ``base`` stays hidden."""
+    keep = sorted({str(q) for q in (TESTS.parent, Path(sys.prefix))
+                   if Path(q).is_relative_to(base)})
+    keep = [q for q in keep if not any(q != k and Path(q).is_relative_to(k) for k in keep)]
+    mount = f"mount -t tmpfs -o mode={mode} tmpfs {base}"
+    if not keep:
+        return [mount]
+    aside = shlex.quote(str(hold / base.strip("/").replace("/", "_")))
+    lines = [f"mkdir -p {aside}", f"mount --bind {base} {aside}", mount]
+    for q in keep:
+        inside = shlex.quote(f"{hold / base.strip('/').replace('/', '_')}/{Path(q).relative_to(base)}")
+        lines += [f"mkdir -p {shlex.quote(q)}", f"mount --bind {inside} {shlex.quote(q)}"]
+    return [*lines, f"umount {aside}"]
+
+
 class Machine:
     """One machine: its namespaces (``holder`` is None for the VM's own) and its ``ROOT``."""
 
@@ -164,11 +185,12 @@ class Machine:
         """A machine in namespaces of its own (see the module docs)."""
         hostname = f"{name}-{secrets.token_hex(3)}"
         machine_id = secrets.token_hex(16) if os.path.exists("/etc/machine-id") else None
+        hold = Path(tempfile.mkdtemp(prefix="infinijup-b-", dir="/var/tmp"))
         setup = "; ".join([
             "set -e",
-            "mount -t tmpfs -o mode=1777 tmpfs /tmp",
-            "mount -t tmpfs -o mode=0755 tmpfs /run",
-            "mount -t tmpfs -o mode=1777 tmpfs /dev/shm",
+            *fresh_tmpfs("/tmp", "1777", hold),
+            *fresh_tmpfs("/run", "0755", hold),
+            *fresh_tmpfs("/dev/shm", "1777", hold),
             *([f"echo {machine_id} > /run/machine-id",
                "mount --bind /run/machine-id /etc/machine-id"] if machine_id else []),
             f"hostname {hostname}",
@@ -182,6 +204,7 @@ class Machine:
              "sh", "-c", setup], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True)
         line = _read_line(holder.stdout, START_TIMEOUT)
+        shutil.rmtree(hold, ignore_errors=True)  # empty here: its mounts were B's alone
         if line.strip() != "ready":
             holder.kill()
             raise RuntimeError(f"machine {name}: namespaces not set up: {line!r} "
