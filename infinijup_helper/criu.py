@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import errno
 import importlib
 import logging
 import os
@@ -60,6 +61,20 @@ def criu_version(binary: str) -> str:
     if not match:
         raise RuntimeError(f"cannot read the version of {binary}: {out.stdout!r}")
     return match.group(1)
+
+
+def full_filesystem(dir_fd: int, least: int = 1 << 20) -> str:
+    """A failed CRIU run on a filesystem with (almost) no room left: say so first. CRIU's own
+    word is its first error (on this VM a harmless rlimit one), and its log, on the same full
+    filesystem, may have lost the line that says why."""
+    try:
+        st = os.fstatvfs(dir_fd)
+    except OSError:
+        return ""
+    free = st.f_bavail * st.f_frsize
+    if free >= least:
+        return ""
+    return f"{os.strerror(errno.ENOSPC)} where the images are written ({free} bytes free); CRIU: "
 
 
 def log_tail(dir_fd: int, name: str, lines: int = LOG_TAIL_LINES) -> str:
@@ -239,7 +254,8 @@ class Criu:
             raise failure
         if not resp.success:
             why = resp.cr_errmsg or (os.strerror(resp.cr_errno) if resp.cr_errno else "error")
-            raise CriuFailed(f"CRIU {kind} failed: {why}\n{log_tail(images_fd, log_name)}")
+            raise CriuFailed(f"CRIU {kind} failed: {full_filesystem(images_fd)}{why}\n"
+                             f"{log_tail(images_fd, log_name)}")
         return resp
 
     def dump(self, pid: int, images_fd: int, *, leave_running: bool, run_as: RunAs | None,
