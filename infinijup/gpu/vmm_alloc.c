@@ -262,13 +262,11 @@ fail_locked:
 
 /* --- segments into a file (a snapshot) and back (its resume or restore) -----------------------
  * Only what PyTorch has in use is copied (ij_set_live); the file's pages under dead ranges are
- * given back. Each live range's pages are made present by several threads at once (a new tmpfs
- * file costs its page allocations, not the copy) and registered with the driver around its copy
- * (pinned: copy-engine speed; pinning pages already present is cheap). Nothing of the file stays
- * mapped or pinned: CRIU has no GPU bytes to dump. */
+ * given back. The ranges' pages are made present and pinned by threads ahead of the copy (a new
+ * tmpfs file costs its page allocations, not the copy; pinned, the copy runs at copy-engine
+ * speed): copy_pieces. Nothing of the file stays mapped or pinned: CRIU has no GPU bytes to
+ * dump. */
 
-#define POPULATE_THREADS 8
-#define PARALLEL_POPULATE (16u << 20) /* ranges this large are made present by threads */
 #define MERGE_GAP (1u << 20) /* live ranges closer than this are copied as one */
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
@@ -288,22 +286,7 @@ static void *populate_span(void *arg) {
     return NULL;
 }
 
-static void populate(char *base, size_t len, int write) {
-    pthread_t threads[POPULATE_THREADS];
-    Span spans[POPULATE_THREADS];
-    size_t step = (len / POPULATE_THREADS + 4095) / 4096 * 4096;
-    int started = 0;
-    for (int i = 0; i < POPULATE_THREADS && (size_t)i * step < len; i++) {
-        size_t off = (size_t)i * step;
-        spans[i] = (Span){base + off, off + step > len ? len - off : step, write};
-        if (pthread_create(&threads[i], NULL, populate_span, &spans[i]) == 0) started |= 1 << i;
-        else populate_span(&spans[i]);
-    }
-    for (int i = 0; i < POPULATE_THREADS; i++)
-        if (started & (1 << i)) pthread_join(threads[i], NULL);
-}
-
-/* Map `len` bytes of `fd` (pinned range by range in copy_live); NULL on failure. */
+/* Map `len` bytes of `fd` (pinned piece by piece in copy_pieces); NULL on failure. */
 static char *map_file(int fd, size_t len, int write) {
     char *base = mmap(NULL, len, write ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, fd, 0);
     return base == MAP_FAILED ? NULL : base;
@@ -424,40 +407,9 @@ void ij_timings(double *out) {
     for (int i = 0; i < 4; i++) out[i] = spent[i];
 }
 
-/* Copy a segment's live ranges (or all of it) between the GPU and base + s->offset, each
- * range's pages made present (in parallel when large) and pinned around its copy. */
-static CUresult copy_live(Segment *s, char *base, int to_host, long long *moved) {
-    size_t one[2] = {0, s->size};
-    size_t *r = s->live ? s->live : one;
-    int n = s->live ? s->nlive : 1;
-    for (int i = 0; i < n; i++) {
-        char *host = base + s->offset + r[2 * i];
-        CUdeviceptr dev = s->ptr + r[2 * i];
-        size_t len = r[2 * i + 1];
-        char *page = (char *)((uintptr_t)host & ~(uintptr_t)4095);
-        size_t span = (size_t)(host + len - page + 4095) / 4096 * 4096;
-        double t0 = now_s();
-        if (span >= PARALLEL_POPULATE) populate(page, span, to_host);
-        double t1 = now_s();
-        /* CU_MEMHOSTREGISTER_READ_ONLY (8) when the file is only read; unpinned copies work */
-        int pinned = cu.host_register(page, span, to_host ? 0 : 8) == 0;
-        double t2 = now_s();
-        CUresult res = to_host ? cu.dtoh(host, dev, len) : cu.htod(dev, host, len);
-        double t3 = now_s();
-        if (pinned) cu.host_unregister(page);
-        spent[0] += t1 - t0;
-        spent[1] += t2 - t1;
-        spent[2] += t3 - t2;
-        spent[3] += now_s() - t3;
-        if (res != 0) return res;
-        *moved += (long long)len;
-    }
-    return 0;
-}
-
-/* The way out, pipelined: the copy ranges of every segment on the GPU, cut into pieces of at
- * most PIECE bytes, are made present and pinned by FILLERS threads, in order, ahead of the
- * copy; the calling thread copies and unpins each piece once it is ready. A new tmpfs file's
+/* Both ways, pipelined: the ranges to copy, cut into pieces of at most PIECE bytes, are made
+ * present and pinned by FILLERS threads, in order, ahead of the copy; the calling thread
+ * copies and unpins each piece once it is ready. A new tmpfs file's
  * page allocations (about 4.5 GB/s on an H100 host, whatever the number of threads past four)
  * and the pinning then overlap the copy instead of adding to it. The timings: spent[0] is the
  * wait for pieces, spent[1] what the calling thread had to do itself. */
@@ -479,6 +431,7 @@ typedef struct {
     int count;
     int next;
     int stop;
+    int to_host; /* 1: out of the GPU into the file; 0: back from the file */
     CUcontext ctx; /* the caller's: pinning needs a current context in the filler threads */
     pthread_mutex_t m;
     pthread_cond_t c;
@@ -490,9 +443,10 @@ static void *fill_pieces(void *arg) {
     for (;;) {
         int i = __atomic_fetch_add(&plan->next, 1, __ATOMIC_SEQ_CST);
         if (i >= plan->count || __atomic_load_n(&plan->stop, __ATOMIC_SEQ_CST)) return NULL;
-        Span sp = {plan->piece[i].page, plan->piece[i].span, 1};
+        Span sp = {plan->piece[i].page, plan->piece[i].span, plan->to_host};
         populate_span(&sp);
-        plan->piece[i].pinned = cu.host_register(sp.base, sp.len, 0) == 0;
+        /* CU_MEMHOSTREGISTER_READ_ONLY (8) when the file is only read */
+        plan->piece[i].pinned = cu.host_register(sp.base, sp.len, plan->to_host ? 0 : 8) == 0;
         pthread_mutex_lock(&plan->m);
         plan->piece[i].ready = 1;
         pthread_cond_broadcast(&plan->c);
@@ -521,17 +475,18 @@ static int add_pieces(Piece **out, int *count, int *cap, char *host, CUdeviceptr
     return 1;
 }
 
-/* Copy out every segment on the GPU (its copy list, live ranges, or all of it) into base, at
- * its offset. Nothing is released here; on failure nothing has been. */
-static CUresult copy_out_all(char *base, long long *moved) {
+/* Copy every segment on the GPU out into base, at its offset (to_host: its copy list, live
+ * ranges, or all of it), or every segment just mapped again back from base (its live ranges, or
+ * all of it). Nothing is released or unmapped here. */
+static CUresult copy_pieces(char *base, int to_host, long long *moved) {
     Piece *piece = NULL;
     int count = 0, cap = 0;
     for (Segment *s = segments; s; s = s->next) {
-        if (!s->mapped) continue;
+        if (to_host ? !s->mapped : !(s->mapped && s->in_file)) continue;
         size_t one[2] = {0, s->size};
         size_t *r = s->live ? s->live : one;
         int n = s->live ? s->nlive : 1;
-        if (copy_given) {
+        if (to_host && copy_given) {
             r = s->copy;
             n = s->ncopy;
         }
@@ -542,7 +497,8 @@ static CUresult copy_out_all(char *base, long long *moved) {
                 return 2; /* CUDA_ERROR_OUT_OF_MEMORY */
             }
     }
-    Plan plan = {piece, count, 0, 0, 0, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+    Plan plan = {piece, count, 0, 0, to_host, 0, PTHREAD_MUTEX_INITIALIZER,
+                 PTHREAD_COND_INITIALIZER};
     if (cu.ctx_get_current(&plan.ctx) != 0) plan.ctx = 0;
     pthread_t threads[FILLERS];
     int started = 0;
@@ -556,12 +512,14 @@ static CUresult copy_out_all(char *base, long long *moved) {
         pthread_mutex_unlock(&plan.m);
         double t1 = now_s();
         if (!piece[i].ready) { /* no filler thread could start: do its part here */
-            Span sp = {piece[i].page, piece[i].span, 1};
+            Span sp = {piece[i].page, piece[i].span, to_host};
             populate_span(&sp);
-            piece[i].pinned = cu.host_register(piece[i].page, piece[i].span, 0) == 0;
+            piece[i].pinned =
+                cu.host_register(piece[i].page, piece[i].span, to_host ? 0 : 8) == 0;
         }
         double t2 = now_s();
-        res = cu.dtoh(piece[i].host, piece[i].dev, piece[i].len);
+        res = to_host ? cu.dtoh(piece[i].host, piece[i].dev, piece[i].len)
+                      : cu.htod(piece[i].dev, piece[i].host, piece[i].len);
         double t3 = now_s();
         if (piece[i].pinned) cu.host_unregister(piece[i].page);
         piece[i].pinned = 0;
@@ -616,7 +574,7 @@ static void punch_gaps(int fd, size_t end) {
 
 /* Like ij_sleep, but into the file `fd`: each segment at its offset (kept from the last time,
  * place_segments), the file as long as the last segment's end, nothing kept between them.
- * Every segment is copied out (copy_out_all) before any is released. Returns the bytes moved,
+ * Every segment is copied out (copy_pieces) before any is released. Returns the bytes moved,
  * or -1 (then every segment is still on the GPU). The copy list of ij_set_copy is forgotten
  * either way. */
 long long ij_sleep_into(int fd) {
@@ -637,7 +595,7 @@ long long ij_sleep_into(int fd) {
         if (s->mapped) punch_dead(fd, s);
     char *base = map_file(fd, end, 1);
     if (!base) goto fail_locked;
-    CUresult res = copy_out_all(base, &moved);
+    CUresult res = copy_pieces(base, 1, &moved);
     if (res != 0) { last_error = res; unmap_file(base, end); goto fail_locked; }
     for (Segment *s = segments; s; s = s->next) {
         if (!s->mapped) continue;
@@ -675,14 +633,16 @@ long long ij_wake_from(int fd) {
     if (!base) goto fail_locked;
     for (Segment *s = segments; s; s = s->next) {
         if (s->mapped || !s->in_file) continue;
-        if (!ensure_context(s->device) || !map_physical(s) ||
-            copy_live(s, base, 0, &moved) != 0) {
+        if (!ensure_context(s->device) || !map_physical(s)) {
             unmap_file(base, need);
             goto fail_locked;
         }
-        s->in_file = 0;
     }
+    CUresult res = copy_pieces(base, 0, &moved);
     unmap_file(base, need);
+    if (res != 0) { last_error = res; goto fail_locked; }
+    for (Segment *s = segments; s; s = s->next)
+        if (s->mapped) s->in_file = 0;
     pthread_mutex_unlock(&lock);
     return moved;
 fail_locked:
