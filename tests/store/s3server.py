@@ -18,12 +18,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import boto3
 import botocore.config
 import botocore.exceptions
+import pytest
 
 START_TIMEOUT = 180.0  # hang guard only: a busy 2-core machine starts it in ~5-20 s
 
@@ -166,3 +168,39 @@ class S3Server:
             return self.log_path.read_text(errors="replace")[-n:]
         except OSError:
             return ""
+
+
+def started(root: Path) -> S3Server:
+    """A server on ``root``, running."""
+    server = S3Server(root)
+    server.start()
+    return server
+
+
+def use_remote(server: S3Server, monkeypatch: Any, prefix: str) -> str:
+    """Point this process at ``server`` (its credentials and endpoint, nothing from the
+    developer's own AWS setup or Infinijup's remote settings) and give it a fresh bucket;
+    returns the remote URL ``s3://bucket/prefix``."""
+    for k, v in server.env().items():
+        if k.startswith(("AWS_", "INFINIJUP_S3")):
+            monkeypatch.setenv(k, v)
+    for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "INFINIJUP_REMOTE",
+              "INFINIJUP_LOCAL_BUDGET"):
+        monkeypatch.delenv(k, raising=False)
+    return new_bucket(server, prefix)
+
+
+def new_bucket(server: S3Server, prefix: str) -> str:
+    import uuid
+
+    bucket = f"ij-{uuid.uuid4().hex[:12]}"
+    server.make_bucket(bucket)
+    return f"s3://{bucket}/{prefix}"
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """One server per test module (import this fixture into the module)."""
+    server = started(tmp_path_factory.mktemp("s3"))
+    yield server
+    server.stop()

@@ -14,12 +14,11 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import random_bytes, subprocess_env
-from s3server import S3Server, weed_binary
+from s3server import S3Server, started, use_remote, weed_binary
 
 from infinijup.store import Repository
 from infinijup.store.errors import RemoteConflict, RemoteCorrupt, RemoteNotFound
@@ -32,34 +31,9 @@ pytestmark = [pytest.mark.skipif(weed_binary() is None, reason="needs seaweedfs-
 HANG_GUARD = 240.0
 
 
-def _start(root: Path) -> S3Server:
-    server = S3Server(root)
-    server.start()
-    return server
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    server = _start(tmp_path_factory.mktemp("s3"))
-    yield server
-    server.stop()
-
-
-def _use(server: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Point this process at ``server`` and give it a fresh bucket; returns a remote URL."""
-    for k, v in server.env().items():
-        if k.startswith(("AWS_", "INFINIJUP_S3")):
-            monkeypatch.setenv(k, v)
-    for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
-        monkeypatch.delenv(k, raising=False)
-    bucket = f"ij-{uuid.uuid4().hex[:12]}"
-    server.make_bucket(bucket)
-    return f"s3://{bucket}/team"
-
-
 @pytest.fixture
 def remote(s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
-    return _use(s3, monkeypatch)
+    return use_remote(s3, monkeypatch, "team")
 
 
 def _image(root: Path, seed: int = 0, size: int = 3 << 20) -> Path:
@@ -339,9 +313,9 @@ def test_corrupted_remote_pack_is_refused(s3: S3Server, remote: str, tmp_path: P
 
 
 def test_server_stopped_mid_transfer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    server = _start(tmp_path / "s3")  # its own server: this test stops it
+    server = started(tmp_path / "s3")  # its own server: this test stops it
     try:
-        url = _use(server, monkeypatch)
+        url = use_remote(server, monkeypatch, "team")
         a = _store(tmp_path / "a")
         image = _image(tmp_path / "img")
         c1 = a.commit_dir(image, thread="main")

@@ -15,12 +15,11 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import random_bytes, subprocess_env
-from s3server import S3Server, weed_binary
+from s3server import S3Server, use_remote, weed_binary
 
 from infinijup.store import Repository
 from infinijup.store.errors import ObjectMissing, RemoteError, StoreLocked
@@ -38,28 +37,9 @@ HANG_GUARD = 240.0
 MiB = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    server = S3Server(tmp_path_factory.mktemp("s3"))
-    server.start()
-    yield server
-    server.stop()
-
-
-def _use(server: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
-    for k, v in server.env().items():
-        if k.startswith(("AWS_", "INFINIJUP_S3")):
-            monkeypatch.setenv(k, v)
-    for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
-        monkeypatch.delenv(k, raising=False)
-    bucket = f"ij-{uuid.uuid4().hex[:12]}"
-    server.make_bucket(bucket)
-    return f"s3://{bucket}/tiers"
-
-
 @pytest.fixture
 def remote(s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
-    return _use(s3, monkeypatch)
+    return use_remote(s3, monkeypatch, "tiers")
 
 
 def _images(root: Path, seed: int, pages: bytes | None = None) -> Path:
@@ -232,7 +212,7 @@ def test_background_push_waits_out_a_stopped_server(tmp_path: Path,
     server = S3Server(tmp_path / "s3")  # its own server: this test stops it
     server.start()
     try:
-        url = _use(server, monkeypatch)
+        url = use_remote(server, monkeypatch, "tiers")
         repo = Repository.init(tmp_path / "store", pack_size=MiB)
         c1, _, _ = _commit(repo, tmp_path, 1)
         sync = RemoteSync(repo.path, url, budget=lambda: 1, retry_min=0.2, retry_max=1.0)

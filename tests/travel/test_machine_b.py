@@ -16,11 +16,11 @@ import shutil
 import signal
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from s3server import new_bucket  # noqa: I001 - on sys.path once travelkit is in
 from travelkit import (
     Helper,
     Machine,
@@ -60,19 +60,9 @@ HOST = "(socket.gethostname(), platform.node(), machine_id())"
 HANG_GUARD = 300.0
 
 
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    server = S3Server(tmp_path_factory.mktemp("s3"))
-    server.start()
-    yield server
-    server.stop()
-
-
 @pytest.fixture
 def remote(s3: S3Server) -> str:
-    bucket = f"ij-{uuid.uuid4().hex[:12]}"
-    s3.make_bucket(bucket)
-    return f"s3://{bucket}/alice"
+    return new_bucket(s3, "alice")
 
 
 @pytest.fixture
