@@ -35,6 +35,7 @@ class HelperInfo:
     uid: int
     work_dir: str
     features: Mapping[str, bool]
+    arena_dir: str | None = None  # this user's directory in the helper's GPU arena
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class HelperClient:
             uid=r["uid"],
             work_dir=r["work_dir"],
             features=dict(r.get("features", {})),
+            arena_dir=r.get("arena_dir"),
         )
 
     def work_dir(self) -> str:

@@ -61,13 +61,21 @@ class InfinijupProvisioner(LocalProvisioner):
         for name in _SCRUBBED_ENV:
             env.pop(name, None)
         env[config.KERNEL_ID_ENV] = str(self.kernel_id)
-        arena = await asyncio.to_thread(gpu_arena.prepare_root)
+        arena = await asyncio.to_thread(self._arena_root)
         if arena is not None:  # PyTorch's GPU memory on the VMM allocator (gpu/arena.py)
             env[gpu_arena.ROOT_ENV] = str(arena)
         else:
             env.pop(gpu_arena.ROOT_ENV, None)
         kwargs["env"] = env
         return kwargs
+
+    def _arena_root(self) -> Path | None:
+        if gpu_arena.enabled():
+            try:
+                self.helper().hello()  # makes this user's directory in the helper's arena
+            except Exception:
+                pass  # no helper: the launch says so
+        return gpu_arena.prepare_root()
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
         self.hibernated = False  # a (re)start is a fresh kernel

@@ -69,6 +69,9 @@ def parse_args(argv: list[str] | None) -> HelperConfig:
                         help="seconds for a request line to arrive whole")
     parser.add_argument("--idle-timeout", type=float, default=defaults.idle_timeout_s,
                         help="seconds a connection may wait between requests")
+    parser.add_argument("--gpu-arena", choices=("auto", "always", "never"), default="auto",
+                        help="mount a tmpfs with huge pages for kernels' GPU segments beside "
+                             "the socket (auto: where CUDA is usable)")
     parser.add_argument("--cgroup", choices=("caller", "none"), default="caller",
                         help="kernels join the cgroup (v2) of the process that asked for them")
     parser.add_argument("--kernel-rlimit", action="append", default=[], metavar="NAME=SOFT:HARD",
@@ -90,6 +93,7 @@ def parse_args(argv: list[str] | None) -> HelperConfig:
         nsinit_python=ns.nsinit_python,
         criu_timeout_s=ns.criu_timeout,
         cgroup=ns.cgroup,
+        gpu_arena=ns.gpu_arena,
         limits=Limits(
             max_connections=ns.max_connections,
             connections_per_user=ns.max_connections_per_user,
@@ -121,6 +125,7 @@ def _rlimit_caps(parser: argparse.ArgumentParser, specs: list[str]) -> dict[str,
 def serve(config: HelperConfig, ready: Ready) -> int:
     """Set everything up, report readiness, serve until SIGTERM/SIGINT."""
     # Imported here so `--help` and the non-root refusal work without pycriu or protobuf.
+    from . import arena
     from .criu import Criu, CriuSettings
     from .ops import Features, Operations
     from .paths import WorkDirs
@@ -142,14 +147,17 @@ def serve(config: HelperConfig, ready: Ready) -> int:
                                  timeout_s=config.criu_timeout_s))
         registry = Registry(config.socket_path + REGISTRY_SUFFIX)
         reaper = Reaper(registry)
+        features = Features.detect()
         ops = Operations(work, criu, registry, Sealer(os.path.join(work.root, ".seal-key")),
                          python=config.nsinit_python,
-                         features=Features.detect(),
+                         features=features,
                          pid_namespace=config.pid_namespace,
                          limits=config.limits,
                          cgroup=config.cgroup)
         server = HelperServer(config.socket_path, ops)
-        server.bind()
+        server.bind()  # checks the socket's directory: the GPU arena goes there too
+        if {"always": True, "never": False}.get(config.gpu_arena, features.cuda):
+            ops.arena = arena.mount(config.socket_path)
         registry.load()  # beside the socket: its directory was checked by bind()
     except Exception as exc:  # noqa: BLE001 - say why we could not start, then exit
         log.exception("cannot start")

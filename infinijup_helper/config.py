@@ -83,6 +83,7 @@ class HelperConfig:
     nsinit_python: str = "/usr/bin/python3"
     criu_timeout_s: float = 300.0
     cgroup: str = "caller"  # kernels join their caller's cgroup (v2): "caller" or "none"
+    gpu_arena: str = "auto"  # a huge-page tmpfs for GPU segments: "auto", "always", "never"
     limits: Limits = field(default_factory=Limits)
 
     @property

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from . import arena
 from . import protocol as p
 from .cgroups import caller_cgroup_procs, unified_mount
 from .checkpoint import (
@@ -113,8 +114,10 @@ class Operations:
         pid_namespace: bool | None = None,
         limits: Limits | None = None,
         cgroup: str = "caller",
+        arena: str | None = None,
     ) -> None:
         self.work = work
+        self.arena = arena  # the GPU arena's mount (arena.py), or None
         self.criu = criu
         self.registry = registry
         self.sealer = sealer
@@ -221,6 +224,7 @@ class Operations:
             "criu_version": self.criu.version,
             "uid": caller.uid,
             "work_dir": self.work.user_dir(caller),
+            "arena_dir": arena.user_dir(self.arena, caller) if self.arena else None,
             "features": {"cuda": self.features.cuda, "pid_namespace": self.pid_namespace},
         }
 

@@ -1,7 +1,10 @@
 """Where a kernel's GPU segments wait while it is dumped (issue 13): its arena.
 
-A private directory of the user in RAM (``/dev/shm/infinijup-<uid>``, or
-``INFINIJUP_GPU_ARENA_ROOT``), with one file per kernel: ``<root>/<kernel id>/segments``. The
+A private directory of the user in RAM, with one file per kernel: ``<root>/<kernel id>/segments``.
+The root is ``INFINIJUP_GPU_ARENA_ROOT`` where set; else the user's directory in the helper's
+tmpfs with huge pages (``<helper socket dir>/gpu-arena/<uid>``, made by the helper's ``hello``:
+a first snapshot's pages are allocated five times faster there); else ``/dev/shm/infinijup-<uid>``.
+The
 kernel writes it while quiesced (``kernel_magics/gpu_vmm.py``), the store takes it in beside
 the CRIU images as ``gpu-segments``, and the kernel reads it back when it resumes. It is kept
 between snapshots (a file whose pages exist takes the next snapshot at copy-engine speed) and
@@ -23,6 +26,7 @@ ROOT_ENV = "INFINIJUP_GPU_ARENA_ROOT"  # the server's setting, and what kernels 
 ALLOCATOR_ENV = "INFINIJUP_GPU_ALLOCATOR"  # "vmm" (default) or "driver"
 IMAGE_NAME = "gpu-segments"  # the file's name in a commit's tree
 SEGMENTS = "segments"
+HELPER_ARENA = "gpu-arena"  # the helper's mount beside its socket (infinijup_helper/arena.py)
 
 
 def enabled() -> bool:
@@ -36,7 +40,25 @@ def root() -> Path | None:
     configured = os.environ.get(ROOT_ENV)
     if configured:
         return Path(configured)
+    helper = helper_root()
+    if _own_private_dir(helper):
+        return helper
     return Path(f"/dev/shm/infinijup-{os.geteuid()}") if os.path.isdir("/dev/shm") else None
+
+
+def helper_root() -> Path:
+    """This user's directory in the helper's GPU arena (it exists once the helper made it)."""
+    from .. import config
+
+    return Path(os.path.dirname(config.helper_socket())) / HELPER_ARENA / str(os.geteuid())
+
+
+def _own_private_dir(path: Path) -> bool:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
 
 
 def prepare_root() -> Path | None:
@@ -51,10 +73,7 @@ def prepare_root() -> Path | None:
         pass
     except OSError:
         return None
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        return None
-    return path
+    return path if _own_private_dir(path) else None
 
 
 def segments_path(kernel_id: str) -> str | None:

@@ -125,6 +125,14 @@ class HelperDaemon:
             self._log = None
 
 
+    def remove(self) -> None:
+        """Its files, and the GPU arena it mounted beside its socket (if it did)."""
+        arena = os.path.join(os.path.dirname(self.socket_path), "gpu-arena")
+        if os.path.ismount(arena):
+            subprocess.run(["umount", "-l", arena], check=False, capture_output=True)
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
 def make_base() -> Path:
     """A temp dir other users can traverse (the socket must be reachable by them)."""
     base = Path(tempfile.mkdtemp(prefix="ijh-"))
@@ -140,7 +148,7 @@ def helper() -> Iterator[HelperDaemon]:
     daemon.start()
     yield daemon
     daemon.stop()
-    shutil.rmtree(daemon.base, ignore_errors=True)
+    daemon.remove()
 
 
 @pytest.fixture

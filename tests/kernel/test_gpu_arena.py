@@ -137,3 +137,22 @@ def test_the_hot_copy_of_the_segments_keeps_their_holes(tmp_path):
     copy = tmp_path / "copy"
     assert copy.read_bytes() == src.read_bytes()
     assert copy.stat().st_blocks * 512 <= (1 << 20) + (64 << 10)
+
+
+def test_the_helpers_huge_page_arena_is_taken_only_when_it_is_this_users(tmp_path, monkeypatch):
+    """Without a configured root the user's directory in the helper's arena (beside its
+    socket, made by the helper) is the root; one that is not this user's private directory is
+    passed over for /dev/shm."""
+    monkeypatch.delenv(arena.ROOT_ENV, raising=False)
+    monkeypatch.delenv(arena.ALLOCATOR_ENV, raising=False)
+    monkeypatch.setenv("INFINIJUP_HELPER_SOCKET", str(tmp_path / "run" / "helper.sock"))
+    mine = tmp_path / "run" / arena.HELPER_ARENA / str(os.geteuid())
+    shm = f"/dev/shm/infinijup-{os.geteuid()}"
+    assert str(arena.root()) == shm  # no helper arena
+    mine.mkdir(parents=True, mode=0o700)
+    assert arena.root() == mine and arena.segments_path("k1") == str(mine / "k1" / "segments")
+    os.chmod(mine, 0o755)
+    assert str(arena.root()) == shm
+    mine.rmdir()
+    mine.symlink_to(tmp_path)
+    assert str(arena.root()) == shm
