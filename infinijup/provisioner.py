@@ -61,33 +61,26 @@ class InfinijupProvisioner(LocalProvisioner):
         for name in _SCRUBBED_ENV:
             env.pop(name, None)
         env[config.KERNEL_ID_ENV] = str(self.kernel_id)
-        arena = await asyncio.to_thread(self._arena_root)
-        if arena is not None:  # PyTorch's GPU memory on the VMM allocator (gpu/arena.py)
-            env[gpu_arena.ROOT_ENV] = str(arena)
-        else:
-            env.pop(gpu_arena.ROOT_ENV, None)
         kwargs["env"] = env
         return kwargs
-
-    def _arena_root(self) -> Path | None:
-        if gpu_arena.enabled():
-            try:
-                self.helper().hello()  # makes this user's directory in the helper's arena
-            except Exception:
-                pass  # no helper: the launch says so
-        return gpu_arena.prepare_root()
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
         self.hibernated = False  # a (re)start is a fresh kernel
         helper = self.helper()
-        work_dir = Path(await asyncio.to_thread(helper.work_dir))
+        work_dir = Path(await asyncio.to_thread(helper.work_dir))  # hello: the user's dirs
         logs = work_dir / "logs"
         logs.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.log_path = str(logs / f"kernel-{self.kernel_id}.log")
         cwd = str(kwargs.get("cwd") or os.getcwd())
-        pid = await asyncio.to_thread(
-            helper.spawn, list(cmd), dict(kwargs["env"]), cwd, self.log_path
-        )
+        env = dict(kwargs["env"])
+        # PyTorch's GPU memory on the VMM allocator (gpu/arena.py): in the helper's arena,
+        # which that hello made for this user, where it has one
+        arena = await asyncio.to_thread(gpu_arena.prepare_root)
+        if arena is not None:
+            env[gpu_arena.ROOT_ENV] = str(arena)
+        else:
+            env.pop(gpu_arena.ROOT_ENV, None)
+        pid = await asyncio.to_thread(helper.spawn, list(cmd), env, cwd, self.log_path)
         self.attach(pid)
         self.launches += 1
         self.cwd = cwd

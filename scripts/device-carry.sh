@@ -15,7 +15,7 @@ rm -rf "$out" && mkdir -p "$out/whl" "$out/criu/lib"
   --platform manylinux_2_27_x86_64 --platform manylinux_2_5_x86_64 --platform any \
   "jupyter_server>=2.14,<3" "jupyter_client>=8.6" "ipykernel>=6.29" "blake3>=0.4" \
   "zstandard>=0.22" "protobuf>=6,<7" pytest "pytest-jupyter[server]>=0.10" pytest-timeout \
-  psutil nvidia-ml-py
+  psutil nvidia-ml-py "boto3>=1.36"
 # The project itself, for its entry points (the kernel provisioner); its code runs from the
 # repo (PYTHONPATH), so edits need no new wheel.
 .venv/bin/python -m pip wheel -q --no-deps --no-build-isolation -w "$out/whl" .
@@ -36,7 +36,7 @@ set -e
 here=$(cd "$(dirname "$0")" && pwd)
 python3 -m pip install -q --no-index --find-links "$here/whl" --target /tmp/site \
   --no-compile jupyter_server jupyter_client ipykernel blake3 zstandard "protobuf<7" pytest \
-  pytest-jupyter pytest-timeout psutil nvidia-ml-py 2>&1 | grep -v "^WARNING\|^ERROR: pip's" || true
+  pytest-jupyter pytest-timeout psutil nvidia-ml-py boto3 2>&1 | grep -v "^WARNING\|^ERROR: pip's" || true
 python3 -m pip install -q --no-index --no-deps --find-links "$here/whl" --target /tmp/site \
   --no-compile infinijup 2>&1 | grep -v "^WARNING" || true
 repo=$(cd "$here/.." && pwd)

@@ -402,7 +402,7 @@ class SnapshotManager(LoggingConfigurable):
             try:
                 result, plan = await self._dump_and_commit(
                     km, prov, state, path, message, thread, execution_count, described,
-                    dumped_then)
+                    dumped_then, on_gpu_back=go)
             except Exception:
                 await asyncio.to_thread(go)  # no dump, or it failed: the kernel goes on
                 await self._settle(early)
@@ -459,8 +459,19 @@ class SnapshotManager(LoggingConfigurable):
                 pass
 
     async def _dump_and_commit(self, km, prov, state, path, message, thread, execution_count,
-                               described=None, on_dumped=None):
+                               described=None, on_dumped=None, on_gpu_back=None):
+        """``on_gpu_back`` is called (in the engine's thread) as soon as the helper has given
+        the kernel its GPUs back after CRIU's dump, before it checks and publishes the images:
+        the kernel may map its GPU segments back then."""
         repo = self.repo()
+        progress = self._progress(state)
+
+        def on_progress(phase: str, detail: dict) -> None:
+            if on_gpu_back is not None and phase == "cuda_resume" and \
+                    detail.get("state") == "done":
+                on_gpu_back()
+            progress(phase, detail)
+
         key = notebook_key(path)
         planned = {"head": self._head(km.kernel_id), "thread": thread}
         connection = self._connection(km)
@@ -499,7 +510,7 @@ class SnapshotManager(LoggingConfigurable):
         self._emit(state, "dump", 30)
         result = await asyncio.to_thread(
             self.engine().snapshot, prov.root_pid, message=message,
-            on_progress=self._progress(state), replan=replan, extra_files=extra,
+            on_progress=on_progress, replan=replan, extra_files=extra,
             on_dumped=(lambda d: on_dumped(d, planned["plan"].thread)) if on_dumped else None,
             **target)
         return result, planned["plan"]
