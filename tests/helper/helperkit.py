@@ -429,6 +429,26 @@ def as_user(user: Any, fn: Any) -> dict[str, Any]:
     return json.loads(data)
 
 
+def user_pythonpath() -> str:
+    """This checkout and its venv's packages (and pycriu), for another account's Python."""
+    import sysconfig
+
+    return os.pathsep.join([str(REPO), sysconfig.get_paths()["purelib"], PYCRIU])
+
+
+def checkout_closed_to(user: Any) -> str | None:
+    """Why ``user`` cannot run this checkout's Jupyter server (None: it can). The second
+    accounts' servers run the system Python on the checkout and its venv's packages, which a
+    clone under a 0700 directory (root's home) keeps from them; their tests skip, saying so."""
+    paths = user_pythonpath().split(os.pathsep)
+    closed = as_user(user, lambda: [p for p in paths if not os.access(p, os.R_OK | os.X_OK)])
+    if closed.get("value") == []:
+        return None
+    return (f"{closed.get('value') or closed} cannot be read by {user.pw_name}: a second account "
+            "cannot run this checkout's Jupyter server (clone it where other accounts can read "
+            "it, e.g. under /opt or /srv)")
+
+
 def user_argv(user: Any, argv: list[str]) -> list[str]:
     """``argv`` run as ``user`` (through setpriv: the test process is threaded)."""
     return ["setpriv", "--reuid", str(user.pw_uid), "--regid", str(user.pw_gid),

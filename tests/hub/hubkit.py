@@ -28,7 +28,7 @@ import psutil
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent
 sys.path.insert(0, str(TESTS / "reliability"))
-from reliakit import USER_PYTHON, as_user, readable_by, user_pythonpath  # noqa: E402
+from reliakit import USER_PYTHON, as_user, checkout_closed_to, user_pythonpath  # noqa: E402
 
 PROXY = HERE / "proxy" / "node_modules" / ".bin" / "configurable-http-proxy"
 ACCOUNT_PREFIX = "infinijup-hub-"  # + a letter, "-", the test process's pid
@@ -362,4 +362,4 @@ async def first_answer(nb, msg_id: str, timeout: float = 600.0) -> dict:
 
 
 __all__ = ["first_answer", "Hub", "as_user", "create_account", "missing", "notebook_via_hub", "processes_of",
-           "readable_by", "remove_account", "store_commits"]
+           "checkout_closed_to", "remove_account", "store_commits"]

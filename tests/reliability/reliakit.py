@@ -35,9 +35,11 @@ from helperkit import (  # noqa: E402
     MISSING,
     PYCRIU,
     HelperDaemon,
+    checkout_closed_to,
     make_base,
     socket_answers,
     unused_uid,
+    user_pythonpath,
 )
 
 sys.path.insert(0, str(TESTS / "kernel"))
@@ -56,7 +58,7 @@ needs_helper = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
 # hang guard on a loaded machine, never what decides a test (no test here wants a 409).
 BUSY_TIMEOUT = 60.0
 
-__all__ = ["CRIU", "PYCRIU", "Notebook", "needs_helper", "make_base"]
+__all__ = ["CRIU", "PYCRIU", "Notebook", "checkout_closed_to", "needs_helper", "make_base"]
 
 
 # --- the helper ----------------------------------------------------------------------------------
@@ -479,16 +481,6 @@ def iter_lines(path: str) -> Iterator[str]:
 USER_PYTHON = "/usr/bin/python3"
 
 
-def user_pythonpath() -> str:
-    """This checkout and its venv's packages (and pycriu), for another account's Python."""
-    import sysconfig
-
-    return os.pathsep.join([str(TESTS.parent), sysconfig.get_paths()["purelib"], PYCRIU])
-
-
-def readable_by(user: Any, path: str | Path) -> bool:
-    """Whether ``user`` can read ``path`` (every directory above it searchable)."""
-    return as_user(user, lambda: os.access(str(path), os.R_OK))["value"] is True
 class ServerProcess:
     """``jupyter server`` with Infinijup, as a child process: token auth, its own config, data
     and runtime dirs, the given helper socket and store."""

@@ -19,14 +19,13 @@ import pytest
 from reliakit import (
     ServerProcess,
     as_user,
+    checkout_closed_to,
     fill,
     make_base,
     modes_under,
     needs_helper,
     provisioner,
-    readable_by,
     store_state,
-    user_pythonpath,
 )
 from tornado.httpclient import AsyncHTTPClient
 
@@ -192,11 +191,9 @@ def other_server(helper_up, other_user):
     """The second account's own Jupyter server (its own token, store and notebooks), as that
     account, on the same helper."""
     base = make_base()
-    for path in user_pythonpath().split(os.pathsep):
-        if not readable_by(other_user, path):
-            pytest.skip(f"{path} is not readable by {other_user.pw_name}: the second account "
-                        "cannot run this checkout's Jupyter server (clone it where other "
-                        "accounts can read it, e.g. under /opt or /srv)")
+    closed = checkout_closed_to(other_user)
+    if closed:
+        pytest.skip(closed)
     (base / "store-dir").mkdir()
     hub_secret = f"hub-secret-{os.urandom(8).hex()}"  # as JupyterHub would set them
     server = ServerProcess(base / "server", helper_up.socket_path, str(base / "store-dir" / "store"),

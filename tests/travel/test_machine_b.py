@@ -26,6 +26,7 @@ from travelkit import (
     Machine,
     S3Server,
     Server,
+    checkout_closed_to,
     chown_tree,
     ensure_user,
     namespaces_missing,
@@ -259,6 +260,10 @@ def user() -> Iterator:
     if shutil.which("useradd") is None:
         pytest.skip("useradd is not installed: no second real account can be created")
     account = ensure_user()
+    closed = checkout_closed_to(account)
+    if closed:
+        remove_user(account)
+        pytest.skip(closed)
     yield account
     remove_user(account)
 

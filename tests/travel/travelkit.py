@@ -27,7 +27,6 @@ import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 import uuid
@@ -41,26 +40,23 @@ sys.path.insert(0, str(TESTS / "store"))
 from helperkit import (  # noqa: E402
     CRIU,
     MISSING,
-    PYCRIU,
     PYTHON,
+    checkout_closed_to,
     helper_env,
     socket_answers,
     unused_uid,
+    user_pythonpath,
 )
 from s3server import S3Server, weed_binary  # noqa: E402 - the tests' real object store
 
-__all__ = ["Helper", "Machine", "S3Server", "Server", "namespaces_missing", "new_root",
-           "weed_binary"]
+__all__ = ["Helper", "Machine", "S3Server", "Server", "checkout_closed_to", "namespaces_missing",
+           "new_root", "weed_binary"]
 
 START_TIMEOUT = 180.0  # hang guards only: the 2-core CI machine is slow, never what decides
 CALL_TIMEOUT = 600.0
 # Another account's Python: the venv's interpreter may live under a 0700 /root (reliakit.py).
 USER_PYTHON = "/usr/bin/python3"
 USER_PREFIX = "infinijup-travel-"
-
-
-def user_pythonpath() -> str:
-    return os.pathsep.join([str(TESTS.parent), sysconfig.get_paths()["purelib"], PYCRIU])
 
 
 def as_user(user: Any, argv: list[str]) -> list[str]:

@@ -16,6 +16,7 @@ import {
 } from '@jupyterlab/galata';
 
 import {
+  createNotebook,
   execute,
   openHistory,
   screenshot,
@@ -409,7 +410,7 @@ test.describe('Infinijup end to end @backend', () => {
   test('a plain python3 kernel: the shortcut says why it cannot be snapshotted', async ({
     page
   }) => {
-    await page.notebook.createNew(`plain-${RUN}.ipynb`, { kernel: 'python3' });
+    await createNotebook(page, `plain-${RUN}.ipynb`);
     await waitForKernelIdle(page);
     const kernelId = await page.evaluate(
       () =>

@@ -549,3 +549,27 @@ export async function screenshot(
     fs.copyFileSync(file, docs);
   }
 }
+
+/**
+ * galata's `createNew`, then wait until the page's notebook has its name.
+ * `createNew` makes an Untitled notebook and renames it; on a busy machine the
+ * page's document may still be "Untitled.ipynb" when it returns (the file on
+ * the server already renamed), and a request sent then (a resume, a snapshot)
+ * names the old file.
+ */
+export async function createNotebook(
+  page: IJupyterLabPageFixture,
+  name: string,
+  options: { kernel?: string | null } = { kernel: 'python3' }
+): Promise<void> {
+  await page.notebook.createNew(name, options);
+  await page.waitForFunction(
+    (wanted: string) => {
+      const path: string =
+        (window as any).jupyterapp?.shell?.currentWidget?.context?.path ?? '';
+      return path === wanted || path.endsWith(`/${wanted}`);
+    },
+    name,
+    { timeout: 60000 }
+  );
+}

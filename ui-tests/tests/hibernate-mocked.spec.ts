@@ -13,6 +13,7 @@ import { expect, test } from '@jupyterlab/galata';
 import type { Page, Route } from '@playwright/test';
 
 import {
+  createNotebook,
   currentKernelId,
   MockBackend,
   openHistory,
@@ -118,7 +119,7 @@ test.describe('Hibernation @mocked', () => {
   test('GPU released, Hibernated, Waking… with progress, from events; a click on Hibernated wakes', async ({
     page
   }, testInfo) => {
-    await page.notebook.createNew('rest.ipynb', { kernel: 'python3' });
+    await createNotebook(page, 'rest.ipynb');
     const kernelId = await currentKernelId(page);
     await openHistory(page);
     // Running: nothing extra.
@@ -195,7 +196,7 @@ test.describe('Hibernation @mocked', () => {
     page
   }) => {
     rest.state = 'hibernated';
-    await page.notebook.createNew('asleep.ipynb', { kernel: 'python3' });
+    await createNotebook(page, 'asleep.ipynb');
     await currentKernelId(page);
     await openHistory(page);
     await expectRest(page, 'hibernated', 'Hibernated');
@@ -221,7 +222,7 @@ test.describe('Hibernation @mocked', () => {
   test('Hibernate Kernel: Kernel menu and palette; 409 busy is a notification with the server message', async ({
     page
   }) => {
-    await page.notebook.createNew('cmd.ipynb', { kernel: 'python3' });
+    await createNotebook(page, 'cmd.ipynb');
     const kernelId = await currentKernelId(page);
     await openHistory(page);
 

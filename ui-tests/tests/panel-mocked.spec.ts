@@ -14,6 +14,7 @@ import { expect, galata, test } from '@jupyterlab/galata';
 import { syntheticHistory } from '../../labextension/test/synthetic';
 import {
   commit,
+  createNotebook,
   currentKernelId,
   demoHistory,
   execute,
@@ -37,7 +38,7 @@ test.describe('Infinijup panel @mocked', () => {
   });
 
   test('adds commands to the palette and the Kernel menu', async ({ page }) => {
-    await page.notebook.createNew('menu.ipynb', { kernel: 'python3' });
+    await createNotebook(page, 'menu.ipynb');
     await page.menu.open('Kernel');
     const menu = page.locator('.lm-Menu').last();
     for (const label of [
@@ -66,7 +67,7 @@ test.describe('Infinijup panel @mocked', () => {
     page
   }) => {
     backend.managed = false;
-    await page.notebook.createNew('unmanaged.ipynb', { kernel: 'python3' });
+    await createNotebook(page, 'unmanaged.ipynb');
     await currentKernelId(page);
     await expect
       .poll(() =>
@@ -87,7 +88,7 @@ test.describe('Infinijup panel @mocked', () => {
   });
 
   test('snapshot: progress from events, then the result', async ({ page }) => {
-    await page.notebook.createNew('progress.ipynb', { kernel: 'python3' });
+    await createNotebook(page, 'progress.ipynb');
     const kernelId = await currentKernelId(page);
     await expect.poll(() => backend.socketCount).toBeGreaterThan(0);
 
@@ -159,7 +160,7 @@ test.describe('Infinijup panel @mocked', () => {
     page
   }) => {
     backend.history = demoHistory(Math.floor(Date.now() / 1000));
-    await page.notebook.createNew('error.ipynb', { kernel: 'python3' });
+    await createNotebook(page, 'error.ipynb');
     await currentKernelId(page);
     backend.onRestore = route =>
       route.fulfill({
@@ -184,7 +185,7 @@ test.describe('Infinijup panel @mocked', () => {
 
   test('gpu_mismatch: restore anyway sends force', async ({ page }) => {
     backend.history = demoHistory(Math.floor(Date.now() / 1000));
-    await page.notebook.createNew('gpu.ipynb', { kernel: 'python3' });
+    await createNotebook(page, 'gpu.ipynb');
     const kernelId = await currentKernelId(page);
     backend.onRestore = (route, body) =>
       body.force
@@ -232,7 +233,7 @@ test.describe('Infinijup panel @mocked', () => {
         contentType: 'text/html',
         body: '<html>404: Not Found</html>'
       });
-    await page.notebook.createNew('missing.ipynb', { kernel: 'python3' });
+    await createNotebook(page, 'missing.ipynb');
     await currentKernelId(page);
     await execute(page, 'infinijup:snapshot');
     await expect(
@@ -252,7 +253,7 @@ test.describe('Infinijup panel @mocked', () => {
     page
   }, testInfo) => {
     backend.history = syntheticHistory(1000, { seed: 7, maxThreads: 6 }) as any;
-    await page.notebook.createNew('big.ipynb', { kernel: 'python3' });
+    await createNotebook(page, 'big.ipynb');
     await currentKernelId(page);
     await openHistory(page);
     const graph = page.locator('#infinijup-history .jp-Infinijup-graph');
@@ -313,7 +314,7 @@ test.describe('Infinijup panel @mocked', () => {
   }, testInfo) => {
     const now = Math.floor(Date.now() / 1000);
     backend.history = demoHistory(now);
-    await page.notebook.createNew('demo.ipynb', { kernel: 'python3' });
+    await createNotebook(page, 'demo.ipynb');
     const kernelId = await currentKernelId(page);
     await openHistory(page);
     await widenRightPanel(page);
@@ -424,7 +425,7 @@ test.describe('Infinijup settings @mocked', () => {
     page
   }) => {
     backend.history = demoHistory(Math.floor(Date.now() / 1000));
-    await page.notebook.createNew('settings.ipynb', { kernel: 'python3' });
+    await createNotebook(page, 'settings.ipynb');
     const kernelId = await currentKernelId(page);
     await expect(
       page.locator(

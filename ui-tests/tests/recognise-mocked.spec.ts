@@ -8,6 +8,7 @@
 import { expect, test } from '@jupyterlab/galata';
 
 import {
+  createNotebook,
   currentKernelId,
   demoHistory,
   hex,
@@ -29,7 +30,7 @@ test.describe('Commits people can recognise @mocked', () => {
     await page.goto();
     // One notebook per test (the tests share the server's root).
     const name = `train-${testInfo.title.split(' ')[0]}.ipynb`;
-    await page.notebook.createNew(name, { kernel: 'python3' });
+    await createNotebook(page, name);
     await currentKernelId(page);
     await openHistory(page);
     await widenRightPanel(page, 420);

@@ -11,6 +11,7 @@
 import { expect, test } from '@jupyterlab/galata';
 
 import {
+  createNotebook,
   currentKernelId,
   demoHistory,
   hex,
@@ -53,7 +54,7 @@ test.describe('Resume @mocked', () => {
   test('a notebook without a kernel shows its history; Resume here starts a kernel from a snapshot', async ({
     page
   }, testInfo) => {
-    await page.notebook.createNew('resume.ipynb', { kernel: 'python3' });
+    await createNotebook(page, 'resume.ipynb');
     const oldKernel = await currentKernelId(page);
     await page.evaluate(() =>
       (window as any).jupyterapp.shell.currentWidget.sessionContext.shutdown()
@@ -100,16 +101,7 @@ test.describe('Resume @mocked', () => {
   test('Open in new notebook resumes a snapshot next to the open notebook', async ({
     page
   }) => {
-    await page.notebook.createNew('opennew.ipynb', { kernel: 'python3' });
-    // galata's createNew renames an Untitled notebook: on a busy machine the file may not
-    // have its name yet when the button is pressed (a resume copies the file on disk)
-    await expect
-      .poll(
-        async () =>
-          (await page.request.get('/api/contents/opennew.ipynb')).status(),
-        { timeout: 60000 }
-      )
-      .toBe(200);
+    await createNotebook(page, 'opennew.ipynb');
     const kernelId = await currentKernelId(page);
     await openHistory(page);
     await page

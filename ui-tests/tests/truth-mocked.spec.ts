@@ -8,6 +8,7 @@
 import { expect, test } from '@jupyterlab/galata';
 
 import {
+  createNotebook,
   currentKernelId,
   demoHistory,
   execute,
@@ -36,7 +37,7 @@ test.describe('What the UI says @mocked', () => {
   test('after restoring an older commit, the toast and the headline say where the next snapshot goes', async ({
     page
   }, testInfo) => {
-    await page.notebook.createNew('next.ipynb', { kernel: 'python3' });
+    await createNotebook(page, 'next.ipynb');
     const kernelId = await currentKernelId(page);
     await openHistory(page);
     const headline = page.locator('#infinijup-history .jp-Infinijup-headline');
@@ -105,7 +106,7 @@ test.describe('What the UI says @mocked', () => {
   }, testInfo) => {
     backend.managed = false;
     backend.history = { commits: [], threads: {}, head: null };
-    await page.notebook.createNew('plain.ipynb', { kernel: 'python3' });
+    await createNotebook(page, 'plain.ipynb');
     await currentKernelId(page);
     await expect
       .poll(() =>
@@ -150,7 +151,7 @@ test.describe('What the UI says @mocked', () => {
       commit: hex('m4'),
       next_thread: 'main-1'
     };
-    await page.notebook.createNew('picker.ipynb', { kernel: 'python3' });
+    await createNotebook(page, 'picker.ipynb');
     await currentKernelId(page);
     await execute(page, 'infinijup:restore');
     const dialog = page.locator('.jp-Dialog');
@@ -201,7 +202,7 @@ test.describe('What the UI says @mocked', () => {
   test('at the default width rows show id and age whole; a toggle labelled Fold runs', async ({
     page
   }, testInfo) => {
-    await page.notebook.createNew('narrow.ipynb', { kernel: 'python3' });
+    await createNotebook(page, 'narrow.ipynb');
     await currentKernelId(page);
     await openHistory(page);
     const panel = page.locator('#infinijup-history');
@@ -240,7 +241,7 @@ test.describe('What the UI says @mocked', () => {
   test('branch from HEAD starts a thread without a warning and leaves the kernel alone', async ({
     page
   }) => {
-    await page.notebook.createNew('branch-head.ipynb', { kernel: 'python3' });
+    await createNotebook(page, 'branch-head.ipynb');
     const kernelId = await currentKernelId(page);
     await openHistory(page);
     await page
