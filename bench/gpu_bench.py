@@ -15,8 +15,9 @@ Two kinds of rows, each measured in one run beside its floors:
   first answer from the hot tier and from the store (hot copy removed, page cache dropped),
   each phase; floors: the driver's checkpoint of the same process, a raw CRIU dump to tmpfs,
   pinned copy bandwidth. Sampling after each restore must draw what it drew after the
-  snapshot. ``--work disk tmpfs`` runs each row with the helper's work dir (dumps, hot tier)
-  on disk and on /dev/shm.
+  snapshot. ``--work disk tmpfs hugetmpfs`` runs each row with the helper's work dir (dumps,
+  hot tier) on disk, on /dev/shm and on a tmpfs with huge pages. ``--arena helper shm``: the
+  kernels' GPU arena in the helper's tmpfs with huge pages (the default) or in /dev/shm.
 
 Prints JSON lines, then markdown tables. Run as root on the GPU machine, with the helper's
 requirements (CRIU, pycriu) in place:
@@ -308,6 +309,10 @@ def llama_row(name: str, work: str, hot_tier_bytes: int | None, shm: Path,
         os.environ.pop("INFINIJUP_GPU_ARENA_ROOT", None)
     work_dir = tempfile.mkdtemp(prefix="ijbench-work-", dir="/dev/shm") if work == "tmpfs" \
         else None
+    if work == "hugetmpfs":  # a tmpfs of its own with huge pages, as an admin could mount
+        work_dir = tempfile.mkdtemp(prefix="ijbench-work-")
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "huge=within_size,size=50%", "tmpfs",
+                        work_dir], check=True)
     daemon = start_helper(work_dir)
     base = make_base()
     store = tempfile.mkdtemp(prefix="ijbench-store-", dir="/var/tmp")
@@ -437,6 +442,8 @@ def llama_row(name: str, work: str, hot_tier_bytes: int | None, shm: Path,
             kernel.close()
         server.stop()
         daemon.stop()
+        if work == "hugetmpfs":
+            subprocess.run(["umount", "-l", work_dir], check=False)
         for path in (store, base, work_dir):
             if path:
                 shutil.rmtree(path, ignore_errors=True)
@@ -508,8 +515,9 @@ def main() -> None:
                     help="synthetic rows, GB of VRAM (default 1 4 16 unless --llama is given)")
     ap.add_argument("--llama", nargs="*", default=[], choices=sorted(MODELS),
                     help="Llama-shaped notebook rows through a real server")
-    ap.add_argument("--work", nargs="+", default=["disk"], choices=["disk", "tmpfs"],
-                    help="where the helper's work dir (dumps, hot tier) is, for --llama rows")
+    ap.add_argument("--work", nargs="+", default=["disk"], choices=["disk", "tmpfs", "hugetmpfs"],
+                    help="where the helper's work dir (dumps, hot tier) is, for --llama rows: "
+                         "on disk, in /dev/shm, or on a tmpfs mounted with huge=within_size")
     ap.add_argument("--hot-tier-gib", type=float, default=None,
                     help="SnapshotManager.hot_tier_bytes for --llama rows (default: its own)")
     ap.add_argument("--allocator", nargs="+", default=["vmm"], choices=["vmm", "driver"],
