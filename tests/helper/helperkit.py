@@ -126,11 +126,16 @@ class HelperDaemon:
 
 
     def remove(self) -> None:
-        """Its files, and the GPU arena it mounted beside its socket (if it did)."""
-        arena = os.path.join(os.path.dirname(self.socket_path), "gpu-arena")
-        if os.path.ismount(arena):
-            subprocess.run(["umount", "-l", arena], check=False, capture_output=True)
-        shutil.rmtree(self.base, ignore_errors=True)
+        remove_helper_base(self.base)
+
+
+def remove_helper_base(base: Path) -> None:
+    """A stopped helper's files, and the GPU arena it mounted beside its socket (where CUDA is
+    usable, or with ``--gpu-arena always``)."""
+    arena = base / "run" / "gpu-arena"
+    if os.path.ismount(arena):
+        subprocess.run(["umount", "-l", str(arena)], check=False, capture_output=True)
+    shutil.rmtree(base, ignore_errors=True)
 
 
 def make_base() -> Path:

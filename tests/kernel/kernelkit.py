@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import json
-import shutil
 import sys
 import time
 import uuid
@@ -28,7 +27,7 @@ def helper_daemon():
     daemon.start()
     yield daemon
     daemon.stop()
-    shutil.rmtree(daemon.base, ignore_errors=True)
+    daemon.remove()  # its files, and the GPU arena it mounted where CUDA is usable
 
 
 @pytest.fixture

@@ -9,7 +9,14 @@ import sys
 
 import pytest
 from jupyter_server.auth import Authorizer
-from reliakit import BUSY_TIMEOUT, MISSING, KillableHelper, Notebook, make_base
+from reliakit import (
+    BUSY_TIMEOUT,
+    MISSING,
+    KillableHelper,
+    Notebook,
+    make_base,
+    remove_helper_base,
+)
 
 
 def pytest_configure(config) -> None:
@@ -35,7 +42,7 @@ def rhelper():
     helper.start()
     yield helper
     helper.stop()
-    shutil.rmtree(helper.base, ignore_errors=True)
+    remove_helper_base(helper.base)
 
 
 @pytest.fixture

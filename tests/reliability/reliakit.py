@@ -37,6 +37,7 @@ from helperkit import (  # noqa: E402
     HelperDaemon,
     checkout_closed_to,
     make_base,
+    remove_helper_base,
     socket_answers,
     unused_uid,
     user_pythonpath,
@@ -58,7 +59,8 @@ needs_helper = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
 # hang guard on a loaded machine, never what decides a test (no test here wants a 409).
 BUSY_TIMEOUT = 60.0
 
-__all__ = ["CRIU", "PYCRIU", "Notebook", "checkout_closed_to", "needs_helper", "make_base"]
+__all__ = ["CRIU", "PYCRIU", "Notebook", "checkout_closed_to", "needs_helper", "make_base",
+           "remove_helper_base"]
 
 
 # --- the helper ----------------------------------------------------------------------------------
