@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes  # here, not in as_user's child: that account may not read this Python's stdlib
 import json
 import os
 import pwd
@@ -220,8 +221,6 @@ def test_other_user_spawns_signals_and_kills_their_own_tree(helper, trees, other
 
 def _ptrace_attach(pid: int) -> int:
     """PTRACE_SEIZE ``pid``; 0 on success, else errno."""
-    import ctypes
-
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.ptrace(0x4206, pid, 0, 0) == 0:
         return 0
