@@ -14,6 +14,8 @@ HELPER_PREFIX ?= /opt/infinijup/helper
 LAB_PORT ?= 8888
 LAB_IP ?= 127.0.0.1
 STAMPS := .stamps
+# lines of a failed test-python printed again after the browser suites' output
+PYTHON_TAIL := 250
 SYSTEM_PACKAGES := python3 python3-venv python3-dev build-essential git iproute2 util-linux procps ca-certificates
 TEST_SYSTEM_PACKAGES := chromium
 
@@ -29,15 +31,19 @@ lab: setup helper
 # Lint first; then the Python suite and the browser suites (jest, then Galata) run side by side.
 # They share nothing but the machine: the Python tests start their own helpers, servers and stores;
 # the UI tests use the helper of `make helper` and a server and store of their own. The browser
-# suites' output is printed after the Python suite's; `make test` fails if either side failed.
+# suites' output is printed after the Python suite's, and then, if the Python suite failed, its
+# last lines again (CI shows the end of the output); `make test` fails if either side failed.
 test: setup helper
 	$(MAKE) lint
-	@log=$$(mktemp /tmp/infinijup-test-browser.XXXXXX); \
+	@log=$$(mktemp /tmp/infinijup-test-browser.XXXXXX); pylog=$$(mktemp /tmp/infinijup-test-python.XXXXXX); \
 	( $(MAKE) --no-print-directory test-frontend && $(MAKE) --no-print-directory test-ui ) >"$$log" 2>&1 & \
 	browser=$$!; \
-	$(MAKE) test-python; python=$$?; \
+	$(MAKE) test-python 2>&1 | tee "$$pylog"; python=$${PIPESTATUS[0]}; \
 	wait $$browser; browser_rc=$$?; \
 	echo "--- make test-frontend test-ui (ran beside test-python) ---"; cat "$$log"; rm -f "$$log"; \
+	if [ $$python -ne 0 ]; then \
+	  echo "--- the last $(PYTHON_TAIL) lines of make test-python again: it failed, and why is above the browser suites' output ---"; \
+	  tail -n $(PYTHON_TAIL) "$$pylog"; fi; rm -f "$$pylog"; \
 	echo "make test: test-python exit $$python, test-frontend + test-ui exit $$browser_rc"; \
 	[ $$python -eq 0 ] && [ $$browser_rc -eq 0 ]
 
