@@ -2,7 +2,7 @@
 module name, so these tests never import another directory's ``conftest``)."""
 
 import pytest
-from helperkit import HelperDaemon, client, helper, kernel, other_account, trees  # noqa: F401
+from helperkit import HelperDaemon, client, helper, kernel, other_account, trees  # noqa: F401 - fixtures
 
 
 @pytest.hookimpl(hookwrapper=True)
