@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from typing import Any
 
@@ -39,7 +40,9 @@ def hold(name: str, **details: Any) -> None:
     point = os.path.join(directory, name)
     if not os.path.exists(point):
         return
-    tmp = f"{point}.reached.tmp"
+    # one temporary name per thread: concurrent operations reach the same point together
+    # (four restores at once), and a shared name let one rename away another's file
+    tmp = f"{point}.reached.{os.getpid()}.{threading.get_ident()}.tmp"
     with open(tmp, "w") as f:
         json.dump({"name": name, "helper_pid": os.getpid(), **details}, f)
     os.replace(tmp, f"{point}.reached")
