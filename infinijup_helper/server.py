@@ -293,6 +293,8 @@ class HelperServer:
         except RequestError as exc:
             reply = p.error_response(request.id, exc.reason, exc.message)
             outcome = exc.reason
+            if exc.reason == "criu_failed":  # why, for whoever reads the helper's log
+                log.warning("uid=%d op=%s: %s", caller.uid, request.op, exc.message)
         except Exception as exc:  # noqa: BLE001 - report, log, keep serving
             log.exception("op %s failed unexpectedly", request.op)
             reply = p.error_response(request.id, "internal_error", f"{type(exc).__name__}: {exc}")

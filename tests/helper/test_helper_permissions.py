@@ -236,12 +236,12 @@ def test_other_user_round_trips_their_own_tree(helper, trees, other_user) -> Non
     tree.poke(tree.root, "read 0003")
     images = os.path.join(tree.work, "own-images")
     dumped = tree.as_user(lambda: tree.client.dump(tree.root, images).__dict__)
-    assert "value" in dumped, dumped
+    assert "value" in dumped, json.dumps(dumped, indent=1)  # a str: pytest shows all of it
     assert os.stat(images).st_uid == other_user.pw_uid
     tree.poke(tree.root, "read 0004")
 
     restored = tree.as_user(lambda: tree.client.restore(images, replace_pid=tree.root).pid)
-    assert "value" in restored, restored
+    assert "value" in restored, json.dumps(restored, indent=1)
     new_root = trees.add(restored["value"])
     tree.poke(new_root, "read 0004")
     (new_kernel,) = children_of(new_root)
@@ -251,7 +251,8 @@ def test_other_user_round_trips_their_own_tree(helper, trees, other_user) -> Non
 
     # the restored tree is theirs to dump again, and the snapshot branches beside it
     again = os.path.join(tree.work, "own-images-again")
-    assert "value" in tree.as_user(lambda: tree.client.dump(new_root, again).__dict__)
+    redumped = tree.as_user(lambda: tree.client.dump(new_root, again).__dict__)
+    assert "value" in redumped, json.dumps(redumped, indent=1)
     branch = tree.as_user(lambda: tree.client.restore(images).pid)
     if "value" in branch:  # beside the original: needs PID namespaces (not on CUDA machines)
         branch_root = trees.add(branch["value"])
