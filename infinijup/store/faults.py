@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 ENV = "INFINIJUP_STORE_CRASH_AT"
@@ -43,7 +44,7 @@ def holdpoint(name: str) -> None:
     point = os.path.join(directory, name)
     if not os.path.exists(point):
         return
-    tmp = f"{point}.reached.tmp"
+    tmp = f"{point}.reached.{os.getpid()}.{threading.get_ident()}.tmp"  # threads meet here too
     with open(tmp, "w") as f:
         f.write(str(os.getpid()))
     os.replace(tmp, f"{point}.reached")
