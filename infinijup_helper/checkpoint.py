@@ -221,7 +221,7 @@ class DumpJob:
     init_groups: tuple[int, ...] = ()  # what the caller's init may hold besides their own
     init_caps: tuple[int, ...] = ()
     deadline_s: float = 300.0
-    lock_key: object | None = None
+    lock_key: tuple[str, int, int] | None = None  # ops._init_cwd_key
     image_bytes: int = 0
 
     @property
@@ -232,8 +232,9 @@ class DumpJob:
 class CriuDump(StageBase):
     name = "dump"
 
-    def __init__(self, criu: Criu) -> None:
+    def __init__(self, criu: Criu, work: WorkDirs) -> None:
         self.criu = criu
+        self.work = work
 
     def run(self, job: DumpJob) -> None:
         def still_ours(action: str, _pid: int | None) -> None:
@@ -254,6 +255,11 @@ class CriuDump(StageBase):
                                    f"the tree of {job.pid} exited while it was being dumped")
 
         with self.criu.locks.hold(job.lock_key):
+            if job.lock_key is not None:
+                _, dev, ino = job.lock_key
+                if self.work.clear_parasite_dir(job.caller.uid, (dev, ino)):
+                    log.warning("uid=%d: removed a stale proc.crtools from its inits' cwd (an "
+                                "init was killed while CRIU dumped it)", job.caller.uid)
             self.criu.dump(job.pid, job.staging.fd, leave_running=job.leave_running,
                            run_as=job.run_as, deadline_s=job.deadline_s, on_notify=still_ours,
                            watch=tree_lives)

@@ -156,7 +156,7 @@ class Operations:
 
     def dump_stages(self) -> list[Stage]:
         stages: list[Stage] = [
-            CriuDump(self.criu),
+            CriuDump(self.criu, self.work),
             VerifyDumpedCreds(self.criu),
             PublishImages(self.criu, self.sealer, self.work),
         ]

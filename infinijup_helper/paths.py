@@ -41,6 +41,8 @@ from .protocol import RequestError
 STAGING = ".staging"
 NSINIT_DIR = ".nsinit"
 NSINIT_SCRIPT = "nsinit.py"
+PARASITE_PROC_DIR = "proc.crtools"  # CRIU's parasite's mount point in a namespace init's cwd
+MNT_DETACH = 2
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 RESOLVE_NO_XDEV = 0x01
@@ -66,6 +68,13 @@ def openat2(dir_fd: int, path: str, flags: int, resolve: int, mode: int = 0) -> 
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), path)
     return fd
+
+
+def _umount_detached(path: str) -> None:
+    """umount2(path, MNT_DETACH); ``path`` may be a /proc/self/fd link to the mount's root."""
+    if _libc.umount2(os.fsencode(path), MNT_DETACH) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), path)
 
 
 def bad_path(path: str, why: str) -> RequestError:
@@ -155,6 +164,49 @@ class WorkDirs:
         finally:
             os.close(parent)
         return os.path.join(self.nsinit_root, name)
+
+    def clear_parasite_dir(self, uid: int, cwd_id: tuple[int, int]) -> bool:
+        """Remove a stale ``proc.crtools`` from ``<work>/.nsinit/<uid>`` (whose (st_dev, st_ino)
+        must be ``cwd_id``, the dumped init's cwd); True if there was one.
+
+        Dumping a PID namespace's init, CRIU's parasite makes that directory in the init's
+        cwd, mounts a proc on it, detaches the mount and removes the directory. An init killed
+        in between (its owner may kill it mid-dump) leaves the directory, or the mount too,
+        behind, and every later dump of that uid's trees fails ("Can't create a directory
+        (-17)"). Dumps of trees sharing a cwd are serialized (criu.py), so one found while the
+        caller holds that lock is stale."""
+        parent = os.open(self.nsinit_root, DIR_FLAGS)
+        try:
+            try:
+                cwd_fd = os.open(str(uid), DIR_FLAGS, dir_fd=parent)
+            except FileNotFoundError:
+                return False
+        finally:
+            os.close(parent)
+        try:
+            st = os.fstat(cwd_fd)
+            if (st.st_dev, st.st_ino) != cwd_id:
+                return False  # not the init's cwd: leave it alone
+            try:
+                entry = os.stat(PARASITE_PROC_DIR, dir_fd=cwd_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                return False
+            if not stat.S_ISDIR(entry.st_mode):
+                os.unlink(PARASITE_PROC_DIR, dir_fd=cwd_fd)
+                return True
+            fd = os.open(PARASITE_PROC_DIR, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW |
+                         os.O_CLOEXEC, dir_fd=cwd_fd)
+            try:
+                if os.fstat(fd).st_dev != st.st_dev:  # the proc mount was left on it too
+                    _umount_detached(f"/proc/self/fd/{fd}")
+            finally:
+                os.close(fd)
+            # The directory is the init's (the parasite made it as the init), so its owner
+            # may have put files in it: remove them without following any link
+            shutil.rmtree(PARASITE_PROC_DIR, dir_fd=cwd_fd)
+            return True
+        finally:
+            os.close(cwd_fd)
 
     def user_dir(self, caller: Caller) -> str:
         """``<work>/<uid>``, created 0700 and owned by the caller on first use."""

@@ -8,6 +8,7 @@ attempts, never by time. docs/security.md lists which test covers which attack.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -984,6 +985,45 @@ def test_dumps_racing_the_trees_death(helper, other_account) -> None:
     wait_for(lambda: not {p.pid for p in _processes_of(other_account.pw_uid)} & set(roots),
              what="nothing of them left running")
     print("dump vs death:", outcomes)
+    # A kill can land while CRIU's parasite has its mount point in the inits' cwd; the user's
+    # next dump must still work (test_a_dump_clears_what_a_killed_init_left_of_criu)
+    got = as_user(other_account, lambda: client.spawn(argv, env, work, f"{work}/after.log"))
+    after = got["value"]
+    dumped = as_user(other_account, lambda: client.dump(after, f"{work}/after").__dict__)
+    as_user(other_account, lambda: client.kill(after))
+    assert "value" in dumped, json.dumps(dumped, indent=1)
+    shutil.rmtree(f"{work}/after")
+
+
+def test_a_dump_clears_what_a_killed_init_left_of_criu(helper, account) -> None:
+    """Dumping a PID namespace's init, CRIU's parasite makes ``proc.crtools`` in the init's
+    cwd (shared by the user's inits), mounts a proc there, then detaches and removes it. An
+    init its owner kills in between leaves the directory behind: a loop of such kills (the
+    race above, with kills spread over the whole dump) left it once in 187 tries, and every
+    later dump of that user's trees failed ("Can't create a directory (-17)"). What such a kill
+    leaves is made here directly: the directory as the init made it (the user's, 0700, so
+    they can put files in it), and a proc still mounted on it. The next dump removes both."""
+    root = account.spawn_holder(Path(account.work), "plain")
+    with open(f"/proc/{root}/status") as f:
+        if len([ln for ln in f if ln.startswith("NSpid:")][0].split()) != 3:
+            pytest.skip("the helper runs trees without PID namespaces here (no parasite mount)")
+    cwd = os.readlink(f"/proc/{root}/cwd")
+    stale = os.path.join(cwd, "proc.crtools")
+    os.mkdir(stale, 0o700)
+    account.own(stale)
+    junk = account.call(lambda: Path(stale, "junk").write_text("theirs"))
+    assert junk == {"value": 6}, junk
+    subprocess.run(["mount", "-t", "proc", "proc", stale], check=True)
+    try:
+        images = os.path.join(account.work, f"after-kill-{secrets.token_hex(3)}")
+        dumped = account.call(lambda: account.client.dump(root, images).__dict__)
+        assert "value" in dumped, json.dumps(dumped, indent=1)
+        assert not os.path.ismount(stale) and not os.path.lexists(stale)
+        assert "removed a stale proc.crtools" in helper.log()
+        shutil.rmtree(images)
+    finally:
+        if os.path.ismount(stale):
+            subprocess.run(["umount", "-l", stale], check=False)
 
 
 SETUID_PARENT = """
