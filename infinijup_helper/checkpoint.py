@@ -257,9 +257,10 @@ class CriuDump(StageBase):
         with self.criu.locks.hold(job.lock_key):
             if job.lock_key is not None:
                 _, dev, ino = job.lock_key
-                if self.work.clear_parasite_dir(job.caller.uid, (dev, ino)):
+                owner = job.tree.tree.owner  # whose inits' cwd (root may dump anyone's)
+                if self.work.clear_parasite_dir(owner, (dev, ino)):
                     log.warning("uid=%d: removed a stale proc.crtools from its inits' cwd (an "
-                                "init was killed while CRIU dumped it)", job.caller.uid)
+                                "init was killed while CRIU dumped it)", owner)
             self.criu.dump(job.pid, job.staging.fd, leave_running=job.leave_running,
                            run_as=job.run_as, deadline_s=job.deadline_s, on_notify=still_ours,
                            watch=tree_lives)
