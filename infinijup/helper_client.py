@@ -129,14 +129,18 @@ class HelperClient:
         gpu_map: Sequence[tuple[str, str]] = (),
         port_map: Sequence[tuple[int, int]] = (),
         log_path: str | None = None,
+        path_map: Sequence[tuple[str, str]] = (),
     ) -> RestoreResult:
-        """``port_map`` (saved port, new port) and ``log_path`` restore the images into
-        another kernel session: its ports and its log (see infinijup_helper/retarget.py)."""
+        """``path_map`` (saved socket path, new path), ``port_map`` (saved TCP port, new port)
+        and ``log_path`` restore the images into another kernel session: its endpoints and its
+        log (see infinijup_helper/retarget.py)."""
         args: dict[str, Any] = {"images_dir": images_dir, "replace_pid": replace_pid}
         if gpu_map:
             args["gpu_map"] = [list(p) for p in gpu_map]
         if port_map:
             args["port_map"] = [list(p) for p in port_map]
+        if path_map:
+            args["path_map"] = [list(p) for p in path_map]
         if log_path is not None:
             args["log_path"] = log_path
         r = self.call("restore", args, on_progress)

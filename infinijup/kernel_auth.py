@@ -1,7 +1,7 @@
 """How a kernel proves to its Jupyter server that a request comes from it, without a token.
 
 A kernel already holds one secret the server knows: the HMAC key it signs its Jupyter messages
-with (``kernel_key.py``). The magics sign each request to ``/infinijup/*`` with that key, so the
+with (its session's own key: engine/retarget.py). The magics sign each request to ``/infinijup/*`` with that key, so the
 server's token never has to enter the kernel, its environment, or any snapshot of it
 (docs/security.md). The signature covers the method, the path with its query, the body, the kernel
 id and the time; the server checks it against the key of the kernel the request names.

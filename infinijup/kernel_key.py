@@ -1,60 +1,52 @@
-"""The HMAC key every Infinijup kernel of a user signs its messages with.
+"""Reading a file that holds a kernel's key (its connection file), refusing one others can touch.
 
-Jupyter gives each kernel a random key, and a kernel keeps it in memory: a snapshot restored
-into another kernel session would sign with a key that session does not know. So all of a
-user's Infinijup kernels share one key, made once and kept owner-only beside the default store
-(``$INFINIJUP_KERNEL_KEY_FILE`` moves it). It guards the kernels' ports against other users
-exactly as per-kernel keys do; the user's own processes could read each other's keys anyway.
+Each kernel session has a key of its own (Jupyter's, in its connection file); no key is shared
+by a user's kernels, and none outlives its session except inside the snapshots of that kernel
+(engine/retarget.py). A key file must be a regular file of this user, mode 0600 or stricter,
+reached through directories no other account can write (a sticky directory such as /tmp
+excepted): otherwise another account could read the key, or put its own in place.
 """
 
 from __future__ import annotations
 
 import os
-import secrets
-from pathlib import Path
-
-KEY_FILE_ENV = "INFINIJUP_KERNEL_KEY_FILE"
+import stat
 
 
-def key_file() -> Path:
-    path = os.environ.get(KEY_FILE_ENV)
-    if path:
-        return Path(path)
-    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local",
-                                                            "share")
-    return Path(base) / "infinijup" / "kernel.key"
+class UnsafeKeyFile(PermissionError):
+    """A key file (or a directory above it) that another account could read or replace."""
 
 
-def user_kernel_key() -> bytes:
-    """This user's kernel key, created (owner-only, atomically) on first use."""
-    path = key_file()
+def read_private(path: str) -> bytes:
+    """The content of the key file ``path``, after checking it and every directory above it."""
+    uid = os.geteuid()
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        return _read(path)
-    except FileNotFoundError:
-        pass
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        os.write(fd, secrets.token_hex(32).encode())
-        os.fsync(fd)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeKeyFile(f"{path} is not a regular file")
+        if st.st_uid != uid:
+            raise UnsafeKeyFile(f"{path} belongs to uid {st.st_uid}, not to this user ({uid})")
+        if st.st_mode & 0o077:
+            raise UnsafeKeyFile(f"{path} has mode {stat.S_IMODE(st.st_mode):04o}: a key file "
+                                "must be readable by its owner only (chmod 600)")
+        _check_parents(os.path.dirname(os.path.abspath(path)), uid)
+        chunks = []
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
+        return b"".join(chunks)
     finally:
         os.close(fd)
-    try:
-        os.link(tmp, path)  # first writer wins; a racing second one reads the winner's key
-    except FileExistsError:
-        pass
-    finally:
-        os.unlink(tmp)
-    return _read(path)
 
 
-def _read(path: Path) -> bytes:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-        key = os.read(fd, 4096).strip()
-    finally:
-        os.close(fd)
-    if len(key) < 32:
-        raise ValueError(f"{path} holds no usable kernel key: remove it to make a new one")
-    return key
+def _check_parents(directory: str, uid: int) -> None:
+    while True:
+        st = os.lstat(directory)
+        others_write = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        if st.st_uid not in (0, uid) or (others_write and not st.st_mode & stat.S_ISVTX):
+            raise UnsafeKeyFile(f"{directory} can be changed by other accounts: a key file "
+                                "below it could be replaced")
+        parent = os.path.dirname(directory)
+        if parent == directory:
+            return
+        directory = parent

@@ -1,7 +1,7 @@
 """The kernel provisioner: kernels that Infinijup can snapshot and restore.
 
 Named in a kernelspec's ``metadata.kernel_provisioner`` as ``infinijup-provisioner``. It keeps
-``LocalProvisioner``'s connection-file and port handling, but the kernel is launched by the
+``LocalProvisioner``'s connection-file handling (on owner-only unix sockets, endpoints.py), but the kernel is launched by the
 privileged helper under a small init in its own PID namespace (so a restore gets the snapshot's
 PIDs back), with stdio to a log file. The kernel is tracked by pid, since after a restore it is
 no child of ours; while a restore is under way the kernel is reported alive, so the restarter
@@ -19,10 +19,9 @@ from typing import Any
 from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning.local_provisioner import LocalProvisioner
 
-from . import config
+from . import config, endpoints
 from .gpu import arena as gpu_arena
 from .helper_client import HelperClient
-from .kernel_key import user_kernel_key
 from .process import TrackedProcess
 
 # Environment a kernel must not inherit: the parent poller would shut a restored kernel down,
@@ -53,9 +52,13 @@ class InfinijupProvisioner(LocalProvisioner):
         return HelperClient(config.helper_socket())
 
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
-        # Before the connection file is written: every kernel of this user signs with the
-        # same key, so any of its snapshots can be restored into any of its sessions.
-        self.parent.session.key = user_kernel_key()
+        # Before the connection file is written: the kernel listens on unix sockets in a
+        # directory only its owner can enter (endpoints.py), never on TCP ports. Its key is
+        # Jupyter's, one per kernel session (a restored kernel is given it: retarget.py).
+        km = self.parent
+        km.transport = "ipc"
+        km.cache_ports = False
+        km.ip = await asyncio.to_thread(endpoints.prepare, str(self.kernel_id))
         kwargs = await super().pre_launch(**kwargs)
         env = dict(kwargs.get("env") or os.environ)
         for name in _SCRUBBED_ENV:
@@ -181,6 +184,8 @@ class InfinijupProvisioner(LocalProvisioner):
     async def cleanup(self, restart: bool = False) -> None:
         await super().cleanup(restart=restart)
         gpu_arena.remove_kernel(str(self.kernel_id))  # a fresh kernel, or none: no segments
+        if not restart and not self.hibernated:
+            await asyncio.to_thread(endpoints.remove, str(self.kernel_id))
 
     async def get_provisioner_info(self) -> dict:
         info = await super().get_provisioner_info()

@@ -5,7 +5,9 @@ Limits (see limits.py and docs/security.md): ``--criu-timeout S`` (the CRIU watc
 ``--max-trees-per-user N``, ``--max-connections-per-user N``, ``--max-ops-per-user N``,
 ``--max-connections N``, ``--request-timeout S``, ``--idle-timeout S``,
 ``--kernel-rlimit NAME=SOFT:HARD`` (repeatable; caps on top of the caller's own limits, e.g.
-``RLIMIT_NPROC=512:512``; ``-1`` is unlimited)."""
+``RLIMIT_NPROC=512:512``; ``-1`` is unlimited). ``--gpu-arena auto|always|never`` and
+``--gpu-arena-quota SIZE`` (each user's GPU arena tmpfs: bytes, k/m/g/t, or a percentage of
+the RAM; see arena.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import os
 import signal
 import sys
 
+from .arena import DEFAULT_QUOTA, parse_quota
 from .config import (
     HelperConfig,
     default_criu,
@@ -72,6 +75,9 @@ def parse_args(argv: list[str] | None) -> HelperConfig:
     parser.add_argument("--gpu-arena", choices=("auto", "always", "never"), default="auto",
                         help="mount a tmpfs with huge pages for kernels' GPU segments beside "
                              "the socket (auto: where CUDA is usable)")
+    parser.add_argument("--gpu-arena-quota", type=_quota, default=DEFAULT_QUOTA, metavar="SIZE",
+                        help="each user's GPU arena (a tmpfs of their own): bytes, with a k, m, "
+                             "g or t suffix, or a percentage of the RAM (default: %(default)s)")
     parser.add_argument("--cgroup", choices=("caller", "none"), default="caller",
                         help="kernels join the cgroup (v2) of the process that asked for them")
     parser.add_argument("--kernel-rlimit", action="append", default=[], metavar="NAME=SOFT:HARD",
@@ -94,6 +100,7 @@ def parse_args(argv: list[str] | None) -> HelperConfig:
         criu_timeout_s=ns.criu_timeout,
         cgroup=ns.cgroup,
         gpu_arena=ns.gpu_arena,
+        gpu_arena_quota=ns.gpu_arena_quota,
         limits=Limits(
             max_connections=ns.max_connections,
             connections_per_user=ns.max_connections_per_user,
@@ -104,6 +111,13 @@ def parse_args(argv: list[str] | None) -> HelperConfig:
             rlimit_caps=_rlimit_caps(parser, ns.kernel_rlimit),
         ),
     )
+
+
+def _quota(text: str) -> str:
+    try:
+        return parse_quota(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _rlimit_caps(parser: argparse.ArgumentParser, specs: list[str]) -> dict[str, tuple[int, int]]:
@@ -125,7 +139,7 @@ def _rlimit_caps(parser: argparse.ArgumentParser, specs: list[str]) -> dict[str,
 def serve(config: HelperConfig, ready: Ready) -> int:
     """Set everything up, report readiness, serve until SIGTERM/SIGINT."""
     # Imported here so `--help` and the non-root refusal work without pycriu or protobuf.
-    from . import arena
+    from .arena import Arena
     from .criu import Criu, CriuSettings
     from .ops import Features, Operations
     from .paths import WorkDirs
@@ -156,9 +170,12 @@ def serve(config: HelperConfig, ready: Ready) -> int:
                          cgroup=config.cgroup)
         server = HelperServer(config.socket_path, ops)
         server.bind()  # checks the socket's directory: the GPU arena goes there too
-        if {"always": True, "never": False}.get(config.gpu_arena, features.cuda):
-            ops.arena = arena.mount(config.socket_path)
         registry.load()  # beside the socket: its directory was checked by bind()
+        if {"always": True, "never": False}.get(config.gpu_arena, features.cuda):
+            ops.arena = Arena.mount(config.socket_path, config.gpu_arena_quota)
+        if ops.arena is not None:  # what no live kernel needs goes (arena.py)
+            ops.arena.sweep(t.owner for t in registry.owned_by(None))
+        reaper.on_ended = ops.tree_ended
     except Exception as exc:  # noqa: BLE001 - say why we could not start, then exit
         log.exception("cannot start")
         ready(f"{type(exc).__name__}: {exc}")

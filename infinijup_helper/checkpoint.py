@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from .creds import RunAs
 from .criu import (
     Criu,
+    CriuFailed,
     check_creds,
     check_page_files,
     image_names,
@@ -36,13 +37,15 @@ from .paths import Staging, WorkDirs
 from .proc import Caller, read_proc, tree_members
 from .protocol import RequestError
 from .registry import Held, Registry
-from .retarget import RetargetPlan
+from .retarget import FILES_IMAGE, RetargetPlan
 from .seal import FileSeal, Sealer, is_sealed_name, untrusted
 from .stages import StageBase
+from .unix_peers import closed_ends, detached_inodes, is_new_connection, tree_socket_ids
 
 log = logging.getLogger(__name__)
 
 KILL_TIMEOUT_S = 30.0
+DUMP_TRIES = 3
 COPY_CHUNK = 1 << 20
 
 
@@ -261,9 +264,27 @@ class CriuDump(StageBase):
                 if self.work.clear_parasite_dir(owner, (dev, ino)):
                     log.warning("uid=%d: removed a stale proc.crtools from its inits' cwd (an "
                                 "init was killed while CRIU dumped it)", owner)
-            self.criu.dump(job.pid, job.staging.fd, leave_running=job.leave_running,
-                           run_as=job.run_as, deadline_s=job.deadline_s, on_notify=still_ours,
-                           watch=tree_lives)
+            for attempt in range(DUMP_TRIES):
+                try:
+                    self.criu.dump(job.pid, job.staging.fd, leave_running=job.leave_running,
+                                   run_as=job.run_as, deadline_s=job.deadline_s,
+                                   on_notify=still_ours, watch=tree_lives,
+                                   externals=tree_socket_ids(job.pid))
+                    return
+                except CriuFailed as exc:
+                    # a connection accepted after the sockets were listed: CRIU resumed the
+                    # tree; list them again and dump again
+                    if attempt + 1 == DUMP_TRIES or not is_new_connection(str(exc)):
+                        raise
+                    log.info("pid %d: a connection came during the dump; dumping again", job.pid)
+                    clear_dir(job.staging.fd)
+
+
+def clear_dir(dir_fd: int) -> None:
+    """Remove the files a failed CRIU run left in a staging dir (CRIU writes flat files)."""
+    for entry in os.scandir(dir_fd):
+        if not entry.is_dir(follow_symlinks=False):
+            os.unlink(entry.name, dir_fd=dir_fd)
 
 
 class VerifyDumpedCreds(StageBase):
@@ -482,9 +503,12 @@ class CriuRestore(StageBase):
             kill_aborted_restore(job.registry, job.pid)
 
         deadline = self.criu.deadline_s(job.staged_bytes)
-        pid = self.criu.restore(job.staging.fd, run_as=job.run_as, deadline_s=deadline,
-                                on_notify=on_notify, watch=pages_unchanged, on_abort=aborted,
-                                cgroup_procs=job.cgroup_procs)
+        detached = detached_inodes(self.criu.load_image(job.staging.fd, FILES_IMAGE))
+        with closed_ends(detached) as inherit:
+            pid = self.criu.restore(job.staging.fd, run_as=job.run_as, deadline_s=deadline,
+                                    on_notify=on_notify, watch=pages_unchanged,
+                                    on_abort=aborted, cgroup_procs=job.cgroup_procs,
+                                    inherit=inherit)
         if job.pid is None:  # no post-restore notification: record it now
             job.registry.add(pid, job.caller.uid)
         job.pid = pid

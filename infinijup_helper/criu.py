@@ -64,9 +64,8 @@ def criu_version(binary: str) -> str:
 
 
 def full_filesystem(dir_fd: int, least: int = 1 << 20) -> str:
-    """A failed CRIU run on a filesystem with (almost) no room left: say so first. CRIU's own
-    word is its first error (on this VM a harmless rlimit one), and its log, on the same full
-    filesystem, may have lost the line that says why."""
+    """A failed CRIU run on a filesystem with (almost) no room left: say so first. Its log, on
+    the same full filesystem, may have lost the line that says why."""
     try:
         st = os.fstatvfs(dir_fd)
     except OSError:
@@ -77,23 +76,137 @@ def full_filesystem(dir_fd: int, least: int = 1 << 20) -> str:
     return f"{os.strerror(errno.ENOSPC)} where the images are written ({free} bytes free); CRIU: "
 
 
-def log_tail(dir_fd: int, name: str, lines: int = LOG_TAIL_LINES) -> str:
-    """The last lines of a CRIU log, errors first, for an error message a person can act on."""
+# CRIU's log lines: "(00.027894)      2: Error (criu/sk-inet.c:1059): inet: Can't bind ..." (the
+# time since CRIU started, the restored task's pid in the images where a task wrote it, then
+# the message; criu/log.c and include/log.h).
+_LOG_LINE = re.compile(r"^\(\s*[\d.]+\)\s(?:\s*(\d+): )?(.*)$")
+_ERROR = re.compile(r"^Error \(([^()]*)\): (.*)$")
+# what CRIU prints of each inet socket it restores, just before it binds it (sk-inet.c)
+_INET_RESTORE = re.compile(r"Restore: family (\S+)\s+type (\S+)\s+proto (\S+)\s+port (\d+)\s+"
+                           r"state (\S+)\s+src_addr (\S+)")
+_INET_BIND_IN_USE = re.compile(r"^inet: Can't bind inet socket \(id [^)]*\): "
+                               r"Address already in use$")
+_UNIX_BIND_IN_USE = re.compile(r"^unix: Can't bind id \S+ ino \d+ addr (.*): "
+                               r"Address already in use$")
+# Error lines that say nothing about why a run failed: CRIU prints them on runs that succeed.
+HARMLESS_ERRORS = (
+    # the helper's root lacks CAP_SYS_RESOURCE, or CRIU runs as the caller: it keeps its limit
+    re.compile(r"^rlimit: Can't setup RLIMIT_NOFILE for self"),
+)
+# Error lines CRIU prints after the cause, while each layer gives up on the one below it.
+GIVING_UP = re.compile(
+    r"(?:^(?:Pre-d|D)umping FAILED\.|^Restoring FAILED\.|^\d+ exited, status=|"
+    r"^\d+ killed by signal|^Unable to open fd=|\(pid: \d+\) failed with -?\d+$)")
+LOG_SCAN_BYTES = 64 << 20  # a failed run's log is scanned from at most this far before its end
+LOG_ERROR_LINES = 10
+
+
+@dataclass(frozen=True)
+class LogReport:
+    """What a failed CRIU run's log says: the cause first, then CRIU's own lines."""
+
+    cause: str | None  # the cause in words, translated where it is recognised
+    excerpt: str  # CRIU's error lines (harmless ones left out), then the log's last lines
+
+
+def _harmless(message: str) -> bool:
+    return any(p.search(message) for p in HARMLESS_ERRORS)
+
+
+def _translate(message: str, inet: tuple[str, ...] | None) -> str:
+    """A cause CRIU names in its own terms, said in the user's where it is recognised."""
+    if _INET_BIND_IN_USE.search(message):
+        if inet is not None:
+            _family, kind, proto, port, _state, addr = inet
+            what = proto.removeprefix("IPPROTO_") if proto.startswith("IPPROTO_") else kind
+            return (f"port {port} is taken by another process ({what} on {addr}, bound by the "
+                    f"snapshot's kernel; CRIU: {message})")
+        return f"a port the snapshot's kernel had is taken by another process (CRIU: {message})"
+    match = _UNIX_BIND_IN_USE.search(message)
+    if match:
+        path = match.group(1)
+        if path:
+            return (f"socket path {path} is taken (another socket or file is there; CRIU: "
+                    f"{message})")
+        return f"an abstract unix socket name the snapshot's kernel had is taken (CRIU: {message})"
+    return message
+
+
+def parse_log(text: str, lines: int = LOG_TAIL_LINES) -> LogReport:
+    """The cause of a failed CRIU run, from its log: CRIU's first error line that is neither
+    one every run prints (:data:`HARMLESS_ERRORS`) nor one of those it prints while giving up
+    after the cause (:data:`GIVING_UP`: "Restoring FAILED.", "2 exited, status=1", ...).
+    CRIU's own first error (the RPC answer's ``cr_errmsg``) is often a harmless one."""
+    all_lines = text.splitlines()
+    errors: list[tuple[str, str]] = []  # (line, message)
+    causes: list[str] = []
+    fallback: str | None = None
+    inet: dict[str | None, tuple[str, ...]] = {}  # task -> its last inet socket restored
+    for line in all_lines:
+        match = _LOG_LINE.match(line)
+        if match is None:
+            continue
+        task, rest = match.group(1), match.group(2)
+        sock = _INET_RESTORE.search(rest)
+        if sock is not None:
+            inet[task] = sock.groups()
+            continue
+        error = _ERROR.match(rest)
+        if error is None:
+            continue
+        message = error.group(2).strip()
+        if _harmless(message):
+            continue
+        errors.append((line, message))
+        if GIVING_UP.search(message):
+            fallback = fallback or message
+        elif not causes:
+            causes.append(_translate(message, inet.get(task)))
+    cause = causes[0] if causes else fallback
+    shown = [line for line, _ in errors[:LOG_ERROR_LINES]]
+    picked = set(shown)
+    shown += [line for line in all_lines[-lines:] if line not in picked]
+    return LogReport(cause, "\n".join(shown))
+
+
+def read_log(dir_fd: int, name: str) -> str | None:
+    """A CRIU log's text (its last :data:`LOG_SCAN_BYTES`), or None where there is none."""
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError:
-        return "(no CRIU log)"
-    try:
+        return None
+    with os.fdopen(fd, "rb") as f:
         size = os.fstat(fd).st_size
-        os.lseek(fd, max(0, size - 64 * 1024), os.SEEK_SET)
-        text = os.read(fd, 64 * 1024).decode(errors="replace")
-    finally:
-        os.close(fd)
-    all_lines = text.splitlines()
-    errors = [ln for ln in all_lines if "Error" in ln or "error" in ln][-10:]
-    tail = all_lines[-lines:]
-    picked = errors + [ln for ln in tail if ln not in errors]
-    return "\n".join(picked)
+        if size > LOG_SCAN_BYTES:
+            f.seek(size - LOG_SCAN_BYTES)
+            f.readline()  # a line cut in two
+        return f.read(LOG_SCAN_BYTES).decode(errors="replace")
+
+
+def log_report(dir_fd: int, name: str, lines: int = LOG_TAIL_LINES) -> LogReport:
+    text = read_log(dir_fd, name)
+    if text is None:
+        return LogReport(None, "(no CRIU log)")
+    return parse_log(text, lines)
+
+
+def log_tail(dir_fd: int, name: str, lines: int = LOG_TAIL_LINES) -> str:
+    """A failed CRIU run's log for an error message a person can act on: the cause first (see
+    :func:`parse_log`), then CRIU's error lines, then the log's last lines."""
+    report = log_report(dir_fd, name, lines)
+    return report.excerpt if report.cause is None else f"{report.cause}\n{report.excerpt}"
+
+
+def failure_message(dir_fd: int, name: str, criu_word: str) -> str:
+    """Why a CRIU run that answered "failed" failed: the cause its log names, else CRIU's own
+    word (its first error, unless that is a harmless one), then the log's excerpt."""
+    report = log_report(dir_fd, name)
+    cause = report.cause
+    if cause is None:
+        word = _ERROR.match(criu_word.strip())
+        message = word.group(2) if word else criu_word.strip()
+        cause = "CRIU's log names no cause" if _harmless(message) else criu_word.strip()
+    return f"{cause}\n{report.excerpt}"
 
 
 @dataclass(frozen=True)
@@ -168,7 +281,7 @@ class Criu:
                  run_as: RunAs | None, deadline_s: float, on_notify: Notify | None = None,
                  watch: Callable[[], None] | None = None,
                  on_abort: Callable[[], None] | None = None,
-                 cgroup_procs: str | None = None) -> Any:
+                 cgroup_procs: str | None = None, extra_fds: tuple[int, ...] = ()) -> Any:
         """One CRIU request over its RPC socket, CRIU's notifications answered on the way.
 
         ``on_notify(action, pid)`` runs at each of CRIU's notifications (``post-dump``: the
@@ -185,7 +298,7 @@ class Criu:
         try:
             swrk = subprocess.Popen(
                 self._argv(theirs.fileno(), run_as),
-                pass_fds=(theirs.fileno(), images_fd),
+                pass_fds=(theirs.fileno(), images_fd, *extra_fds),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 # Not the helper's stderr: CRIU may run as the caller, and what it forks (the
@@ -198,7 +311,12 @@ class Criu:
         finally:
             theirs.close()
         if cgroup_procs is not None:  # before CRIU creates any task: they inherit it
-            join_cgroup(cgroup_procs, swrk.pid)
+            try:
+                join_cgroup(cgroup_procs, swrk.pid)
+            except RequestError:  # nothing restored yet: CRIU still waits for its request
+                ours.close()
+                _kill(swrk)
+                raise
         deadline = time.monotonic() + deadline_s
         failure: RequestError | None = None
         try:
@@ -254,17 +372,19 @@ class Criu:
             raise failure
         if not resp.success:
             why = resp.cr_errmsg or (os.strerror(resp.cr_errno) if resp.cr_errno else "error")
-            raise CriuFailed(f"CRIU {kind} failed: {full_filesystem(images_fd)}{why}\n"
-                             f"{log_tail(images_fd, log_name)}")
+            raise CriuFailed(f"CRIU {kind} failed: {full_filesystem(images_fd)}"
+                             f"{failure_message(images_fd, log_name, why)}")
         return resp
 
     def dump(self, pid: int, images_fd: int, *, leave_running: bool, run_as: RunAs | None,
              deadline_s: float, on_notify: Notify | None = None,
-             watch: Callable[[], None] | None = None) -> None:
-        """Dump the tree rooted at ``pid``. On failure CRIU resumes the tree."""
+             watch: Callable[[], None] | None = None, externals: list[str] = ()) -> None:
+        """Dump the tree rooted at ``pid``. On failure CRIU resumes the tree. ``externals``:
+        ids of sockets whose peers may be outside the tree (unix_peers.py)."""
 
         def configure(opts: Any) -> None:
             opts.pid = pid
+            opts.external.extend(externals)
             opts.leave_running = leave_running
             opts.tcp_established = True
             # A client connecting while the tree is frozen leaves a connection not yet
@@ -280,10 +400,14 @@ class Criu:
     def restore(self, images_fd: int, *, run_as: RunAs | None, deadline_s: float,
                 on_notify: Notify | None = None, watch: Callable[[], None] | None = None,
                 on_abort: Callable[[], None] | None = None,
-                cgroup_procs: str | None = None) -> int:
-        """Restore a tree as a child of the helper; return the root's host pid."""
+                cgroup_procs: str | None = None,
+                inherit: list[tuple[str, int]] = ()) -> int:
+        """Restore a tree as a child of the helper; return the root's host pid. ``inherit``:
+        (CRIU's resource key, descriptor) pairs put in place of those resources."""
 
         def configure(opts: Any) -> None:
+            for key, fd in inherit:
+                opts.inherit_fd.add(key=key, fd=fd)
             # Connections of snapshot time have no live peer any more (and restoring them
             # established would clash with the live 4-tuples of a branch restored beside it):
             # they come back closed, and the clients reconnect to the restored listeners.
@@ -293,7 +417,8 @@ class Criu:
 
         resp = self._request("restore", images_fd, RESTORE_LOG, configure, run_as=run_as,
                              deadline_s=deadline_s, on_notify=on_notify, watch=watch,
-                             on_abort=on_abort, cgroup_procs=cgroup_procs)
+                             on_abort=on_abort, cgroup_procs=cgroup_procs,
+                             extra_fds=tuple(fd for _, fd in inherit))
         return int(resp.restore.pid)
 
     # --- image inspection -------------------------------------------------------------------

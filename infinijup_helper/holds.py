@@ -8,6 +8,8 @@ exactly where the operation is, instead of guessing from a delay.
 
 The points (KIND is ``dump`` or ``restore``):
 
+* ``connection_accepted``: a connection accepted, what its caller's kernels inherit (cgroup,
+  resource limits) not read yet;
 * ``criu_KIND_request``: CRIU runs, its request is not sent yet;
 * ``criu_KIND_ACTION``: inside CRIU, at its own notifications (criu.py answers each):
   ``pre-dump``, ``query-ext-files`` (the tree frozen, nothing dumped yet), ``post-dump``

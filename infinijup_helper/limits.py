@@ -5,9 +5,9 @@ connection: an idle timeout between requests and a deadline for each request lin
 whole (a client that sends a byte now and then holds nothing for long). Root is not limited.
 
 A kernel the helper starts runs with the resource limits of the process that asked for it
-(read from ``/proc/PID/limits`` of the connecting process, pinned by a pidfd taken from the
-socket), lowered further by any configured caps: the helper's root would otherwise hand out
-its own, higher limits (RLIMIT_NPROC above all).
+(read from ``/proc/PID/limits`` of the connecting process when its connection is accepted,
+pinned by a pidfd taken from the socket), lowered further by any configured caps: the helper's
+root would otherwise hand out its own, higher limits (RLIMIT_NPROC above all).
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from __future__ import annotations
 import os
 import select
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from .cgroups import parse_cgroup
 from .proc import Caller, read_proc
 from .protocol import RequestError
 
@@ -74,13 +75,19 @@ def _lower(a: int, b: int) -> int:
     return min(a, b)
 
 
-def caller_rlimits(caller: Caller, limits: Limits) -> dict[str, tuple[int, int]]:
-    """The connecting process's resource limits, capped by ``limits.rlimit_caps``.
+def read_caller_context(caller: Caller) -> Caller:
+    """The caller with what its kernels inherit from it: its resource limits and cgroup,
+    read now, once, when its connection is accepted (server.py).
 
     Read through a pidfd of the peer (``Caller.pidfd``, from SO_PEERPIDFD where the kernel has
-    it), checked alive after the read, so the limits are those of the process that connected
-    and not of one that reused its pid.
+    it), checked alive after the reads, so they are those of the process that connected and
+    not of one that reused its pid. A connecting process that has already exited (a socket
+    handed to a child, the parent gone) leaves them unknown, with the reason: ``spawn`` and
+    ``restore`` are then refused (:func:`caller_rlimits`, cgroups.caller_cgroup_procs);
+    nothing is read again later.
     """
+    gone = (f"the process that connected (pid {caller.pid}) had exited before the helper "
+            "accepted the connection")
     pidfd = caller.pidfd
     opened = False
     if pidfd is None:
@@ -88,22 +95,43 @@ def caller_rlimits(caller: Caller, limits: Limits) -> dict[str, tuple[int, int]]
             pidfd = os.pidfd_open(caller.pid)
             opened = True
         except OSError:
-            raise RequestError("no_such_process", "the calling process has exited") from None
+            return replace(caller, unknown=gone)
     try:
         try:
             with open(f"/proc/{caller.pid}/limits") as f:
-                text = f.read()
+                limits_text = f.read()
+            with open(f"/proc/{caller.pid}/cgroup") as f:
+                cgroup_text = f.read()
         except OSError:
-            raise RequestError("no_such_process", "the calling process has exited") from None
+            return replace(caller, unknown=gone)
         info = read_proc(caller.pid)
         poller = select.poll()
         poller.register(pidfd, select.POLLIN)
-        if poller.poll(0) or info is None or info.uids[0] != caller.uid:
-            raise RequestError("no_such_process", "the calling process has exited")
+        if poller.poll(0) or info is None:
+            return replace(caller, unknown=gone)
+        if caller.uid not in info.uids[:2]:
+            return replace(caller, unknown=f"the process that connected (pid {caller.pid}) "
+                           f"runs as uid {info.uids[1]} now, not as uid {caller.uid}")
     finally:
         if opened:
             os.close(pidfd)
-    found = parse_proc_limits(text)
+    cgroup = parse_cgroup(cgroup_text)
+    return replace(caller, rlimits=parse_proc_limits(limits_text), cgroup=cgroup,
+                   unknown=None if cgroup is not None else
+                   f"the process that connected (pid {caller.pid}) is in no cgroup v2")
+
+
+def caller_rlimits(caller: Caller, limits: Limits) -> dict[str, tuple[int, int]]:
+    """The connecting process's resource limits (read when its connection was accepted),
+    capped by ``limits.rlimit_caps``; ``caller_unknown`` where they could not be read."""
+    if caller.rlimits is None:
+        raise RequestError(
+            "caller_unknown",
+            f"the resource limits of the process that connected (pid {caller.pid}) are unknown"
+            f"{': ' + caller.unknown if caller.unknown else ''}; a kernel gets its caller's "
+            "limits, so it is not started: connect from the process that asks, and keep it "
+            "alive until the connection is accepted")
+    found = dict(caller.rlimits)
     for name, (soft, hard) in limits.rlimit_caps.items():
         old_soft, old_hard = found.get(name, (INFINITY, INFINITY))
         new_hard = _lower(old_hard, hard)

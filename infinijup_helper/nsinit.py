@@ -6,7 +6,8 @@ standard library and every user can execute what their own tree's init runs.
 
 ``python -I nsinit.py launch`` (root, the spawn spec as JSON on stdin): the *launcher*, a
 short-lived single-threaded process (the helper is multithreaded and must not fork itself).
-It applies the caller's resource limits, joins the caller's cgroup (see cgroups.py),
+It applies the caller's resource limits, joins the caller's cgroup (see cgroups.py; if it
+cannot, it starts nothing),
 optionally ``unshare(CLONE_NEWPID)``, and forks the init, which becomes the caller (see below) and execs ``python -I nsinit.py --owner UID`` with
 a clean environment, stdio on /dev/null, cwd ``<work>/.nsinit/<uid>``, the spec on fd 3 and
 fd 4 for reporting a failure. The launcher waits until the kernel's exec succeeded or failed,
@@ -273,7 +274,8 @@ def _join_cgroup(procs: str | None) -> str | None:
         finally:
             os.close(fd)
     except OSError as exc:
-        return f"could not join the caller's cgroup ({procs}): {exc.strerror}"
+        return (f"join the caller's cgroup {os.path.dirname(procs)}: {exc.strerror} (a kernel "
+                "runs in its caller's cgroup; --cgroup none leaves kernels in the helper's)")
     return None
 
 
@@ -285,6 +287,9 @@ def launch_main() -> int:
         print(json.dumps({"error": f"setrlimit: {exc}"}))
         return 1
     cgroup_problem = _join_cgroup(spec.get("cgroup_procs"))
+    if cgroup_problem:  # a kernel runs in its caller's cgroup or not at all
+        print(json.dumps({"error": cgroup_problem}))
+        return 1
     if spec.get("pid_namespace", True) and _libc.unshare(CLONE_NEWPID) != 0:
         err = ctypes.get_errno()
         print(json.dumps({"error": f"unshare(CLONE_NEWPID): {os.strerror(err)}"}))
@@ -321,7 +326,7 @@ def launch_main() -> int:
         os.waitpid(pid, 0)
         print(json.dumps({"error": failure.decode(errors="replace")}))
         return 1
-    print(json.dumps({"pid": pid, "cgroup_problem": cgroup_problem}))
+    print(json.dumps({"pid": pid}))
     return 0
 
 

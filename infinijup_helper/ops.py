@@ -11,6 +11,7 @@ caller's own credentials (creds.py); per-user limits bound what one user can tak
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -19,8 +20,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from . import arena
 from . import protocol as p
+from .arena import Arena
 from .cgroups import caller_cgroup_procs, unified_mount
 from .checkpoint import (
     CriuDump,
@@ -49,13 +50,14 @@ from .limits import Limits, caller_rlimits
 from .paths import WorkDirs, check_target_free, remove_entry
 from .proc import Caller, authorize_members, owns, read_proc
 from .protocol import RequestError
-from .registry import Held, Registry
+from .registry import Held, Registry, Tree
 from .retarget import RetargetImages, RetargetPlan
 from .seal import Sealer
 from .spawn import SpawnFailed, SpawnSpec, spawn_tree
 from .stages import Progress, Stage, run_stages
 
 Result = Mapping[str, Any]
+log = logging.getLogger(__name__)
 
 
 def caller_groups(caller: Caller) -> tuple[int, ...]:
@@ -114,10 +116,10 @@ class Operations:
         pid_namespace: bool | None = None,
         limits: Limits | None = None,
         cgroup: str = "caller",
-        arena: str | None = None,
+        arena: Arena | None = None,
     ) -> None:
         self.work = work
-        self.arena = arena  # the GPU arena's mount (arena.py), or None
+        self.arena = arena  # the GPU arena (arena.py), or None
         self.criu = criu
         self.registry = registry
         self.sealer = sealer
@@ -212,9 +214,35 @@ class Operations:
 
     @contextlib.contextmanager
     def _tree(self, caller: Caller, pid: int):  # noqa: ANN202 - yields Held
-        """Serialize on the tree, then hold it (authorized by the registry)."""
-        with self.locks.hold(("tree", pid)), self.registry.hold(caller.uid, pid) as tree:
-            yield tree
+        """Serialize on the tree, then hold it (authorized by the registry). A tree the op
+        ended and reaped (kill, a restore's replaced tree) is told to the arena after it."""
+        held = None
+        try:
+            with self.locks.hold(("tree", pid)), self.registry.hold(caller.uid, pid) as tree:
+                held = tree
+                yield tree
+        finally:
+            if held is not None and self.registry.lookup(pid) is not held.tree:
+                self.tree_ended(held.tree)
+
+    def tree_ended(self, tree: Tree) -> None:
+        """A tree is gone (reaped by an op, or by the reaper): what its kernels left in the GPU
+        arena goes (arena.py says when)."""
+        if self.arena is None:
+            return
+        try:
+            self.arena.tree_ended(tree, self.registry.owned_by(tree.owner))
+        except Exception:  # noqa: BLE001 - the op (or the reaper) goes on regardless
+            log.exception("arena: tidying after tree %d of uid %d failed", tree.pid, tree.owner)
+
+    def _arena_dir(self, caller: Caller) -> str | None:
+        if self.arena is None:
+            return None
+        try:
+            return self.arena.user_dir(caller)
+        except (OSError, RuntimeError) as exc:  # the server then keeps its arena in /dev/shm
+            log.warning("arena: no GPU arena for uid %d: %s", caller.uid, exc)
+            return None
 
     # --- ops ----------------------------------------------------------------------------------
 
@@ -224,7 +252,7 @@ class Operations:
             "criu_version": self.criu.version,
             "uid": caller.uid,
             "work_dir": self.work.user_dir(caller),
-            "arena_dir": arena.user_dir(self.arena, caller) if self.arena else None,
+            "arena_dir": self._arena_dir(caller),
             "features": {"cuda": self.features.cuda, "pid_namespace": self.pid_namespace},
         }
 
@@ -256,7 +284,9 @@ class Operations:
             pid = spawn_tree(spec)
         except SpawnFailed as exc:
             raise RequestError("spawn_failed", str(exc)) from None
-        self.registry.add(pid, caller.uid)
+        tree = self.registry.add(pid, caller.uid)
+        if self.arena is not None:
+            self.arena.spawned(tree, args.env)  # its kernel id: its arena files go with it
         return {"pid": pid}
 
     def dump(self, caller: Caller, args: p.DumpArgs, progress: Progress) -> Result:
@@ -321,7 +351,8 @@ class Operations:
                 init_groups=(group,) if group is not None else (),
                 init_caps=NSINIT_CAPS_PIDNS,
                 gpu_map=args.gpu_map,
-                retarget=RetargetPlan(port_map=args.port_map, log_path=log_path),
+                retarget=RetargetPlan(port_map=args.port_map, path_map=args.path_map,
+                                      log_path=log_path),
                 cgroup_procs=caller_cgroup_procs(caller, self.cgroup_mount),
             )
             stages = self.restore_stages()

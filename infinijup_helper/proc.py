@@ -9,7 +9,7 @@ so a setuid program running in the caller's tree does not count as theirs.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from .protocol import RequestError
@@ -23,6 +23,12 @@ class Caller:
     uid: int
     gid: int
     pidfd: int | None = field(default=None, compare=False)  # the peer (SO_PEERPIDFD)
+    # What a kernel inherits from the connecting process, read once through its pidfd when
+    # the connection is accepted (limits.read_caller_context), never later: by then the pid
+    # may have exited (the socket handed to another process) or been reused.
+    cgroup: str | None = field(default=None, compare=False)  # its v2 cgroup ("0::" path)
+    rlimits: Mapping[str, tuple[int, int]] | None = field(default=None, compare=False)
+    unknown: str | None = field(default=None, compare=False)  # why those could not be read
 
     @property
     def is_root(self) -> bool:

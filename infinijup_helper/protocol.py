@@ -73,9 +73,11 @@ class RestoreArgs:
     images_dir: str
     replace_pid: int | None = None
     gpu_map: tuple[tuple[str, str], ...] = ()  # (saved GPU UUID, GPU UUID to restore onto)
-    # Restoring into another kernel session (see retarget.py): its TCP ports (saved -> new)
-    # and its log file, which replaces the log of the kernel that was dumped.
+    # Restoring into another kernel session (see retarget.py): its TCP ports (saved -> new),
+    # its unix socket paths (saved -> new: kernels listen on ZMQ ipc endpoints) and its log
+    # file, which replaces the log of the kernel that was dumped.
     port_map: tuple[tuple[int, int], ...] = ()
+    path_map: tuple[tuple[str, str], ...] = ()
     log_path: str | None = None
 
 
@@ -232,6 +234,29 @@ def _port_map(name: str, value: Any) -> tuple[tuple[int, int], ...]:
     return tuple(pairs)
 
 
+MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes, one of them the final NUL
+
+
+def _socket_path(name: str, value: Any) -> str:
+    path = _path(name, value)
+    if not path.startswith("/") or len(path.encode()) > MAX_SOCKET_PATH:
+        raise _fail(name, f"absolute unix socket paths of at most {MAX_SOCKET_PATH} bytes")
+    return path
+
+
+def _path_map(name: str, value: Any) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, list) or len(value) > MAX_PORT_PAIRS:
+        raise _fail(name, f"a list of at most {MAX_PORT_PAIRS} [saved path, new path] pairs")
+    pairs = []
+    for pair in value:
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise _fail(name, "pairs of unix socket paths")
+        pairs.append((_socket_path(name, pair[0]), _socket_path(name, pair[1])))
+    if len({old for old, _ in pairs}) != len(pairs) or len({new for _, new in pairs}) != len(pairs):
+        raise _fail(name, "pairs with distinct saved paths and distinct new paths")
+    return tuple(pairs)
+
+
 def _optional_path(name: str, value: Any) -> str | None:
     return None if value is None else _path(name, value)
 
@@ -290,6 +315,7 @@ ARG_SPECS: dict[str, tuple[type, dict[str, tuple[Validator, Any]]]] = {
             "replace_pid": (_optional_pid, None),
             "gpu_map": (_gpu_map, ()),
             "port_map": (_port_map, ()),
+            "path_map": (_path_map, ()),
             "log_path": (_optional_path, None),
         },
     ),

@@ -21,8 +21,9 @@ import os
 import select
 import threading
 import time
+from collections.abc import Callable
 
-from .registry import Registry
+from .registry import Registry, Tree
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class Reaper:
         self.registry = registry
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._stop = False
+        self.on_ended: Callable[[Tree], None] | None = None  # a tree it reaped (ops.tree_ended)
         self._thread = threading.Thread(target=self._run, name="reaper", daemon=True)
         registry.wake = self._wake
 
@@ -91,7 +93,11 @@ class Reaper:
 
     def _reap(self, pid: int) -> None:
         try:
+            tree = self.registry.lookup(pid)
             self.registry.exited(pid)
+            if tree is not None and self.on_ended is not None and \
+                    self.registry.lookup(pid) is not tree:
+                self.on_ended(tree)
         except Exception:  # noqa: BLE001 - the reaper must outlive any one error
             log.exception("reaping %d failed", pid)
 

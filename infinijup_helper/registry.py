@@ -13,9 +13,11 @@ recycled underneath it. Trees that are not the helper's children (adopted from a
 helper instance) are checked through their pidfd after the fact instead (see ops.py).
 
 The record is kept in a file only root can write, ``<socket>.trees.json`` beside the
-helper's socket (on /run: trees do not outlive a reboot either), rewritten on each change. A
-helper that restarts (after a crash, say in the middle of a restore) still knows, by pid *and*
-start time, which trees are whose; and a Jupyter server whose helper died while CRIU was
+helper's socket (on /run: trees do not outlive a reboot either), rewritten on each change,
+with the boot's id (``/proc/sys/kernel/random/boot_id``): pid and start time name one process
+for one boot only, so a file written during another boot (a socket dir that persists across
+reboots) is forgotten, its trees not adopted. A helper that restarts (after a crash, say in
+the middle of a restore) still knows, by pid *and* start time, which trees are whose; and a Jupyter server whose helper died while CRIU was
 restoring its kernel finds the restored tree there (infinijup/engine/orphans.py): nothing
 else, no command line, no uid in /proc, is trusted for that. It is world-readable: it holds
 pids, start times and uids, which /proc shows everyone anyway.
@@ -160,9 +162,17 @@ class Registry:
                 raise RuntimeError(f"{self.path} must be owned by root and writable by nobody else")
             raw = f.read(16 << 20)
         try:
-            entries = json.loads(raw)["trees"]
+            recorded = json.loads(raw)
+            entries = recorded["trees"]
         except (ValueError, KeyError, TypeError):
             log.warning("%s is unreadable; no trees adopted", self.path)
+            recorded, entries = {}, []
+        other_boot = _other_boot(recorded, st.st_mtime)
+        if other_boot and entries:
+            # pid and start time name one process for one boot only: after a reboot they may
+            # name anybody's process
+            log.warning("%s was written %s: its %d trees are forgotten, none adopted",
+                        self.path, other_boot, len(entries))
             entries = []
         adopted = []
         for entry in entries:
@@ -202,7 +212,8 @@ class Registry:
                          0o644, dir_fd=dir_fd)
             with os.fdopen(fd, "w") as f:
                 os.fchmod(f.fileno(), 0o644)
-                json.dump({"v": 1, "trees": [t.as_json() for t in self._trees.values()]}, f)
+                json.dump({"v": 1, "boot_id": boot_id(),
+                           "trees": [t.as_json() for t in self._trees.values()]}, f)
                 f.flush()
                 os.fsync(f.fileno())
             os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
@@ -307,6 +318,44 @@ class Registry:
         os.close(tree.pidfd)
         log.info("tree %d of uid %d ended (exit %s)", pid, tree.owner, code)
         return record
+
+
+def boot_id() -> str | None:
+    """This boot's random id (``/proc/sys/kernel/random/boot_id``)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def boot_time() -> float | None:
+    """When this boot began (``btime`` of /proc/stat, seconds since the epoch)."""
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                if line.startswith("btime "):
+                    return float(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _other_boot(recorded: object, mtime: float) -> str | None:
+    """Why a registry file was written during another boot than this one, or None.
+
+    Its ``boot_id``, where it has one; a file of a helper that did not record it counts as
+    of this boot only if it was written after this boot began."""
+    recorded_id = recorded.get("boot_id") if isinstance(recorded, dict) else None
+    if isinstance(recorded_id, str) and recorded_id:
+        current = boot_id()
+        if current is not None and recorded_id != current:
+            return f"during another boot (boot id {recorded_id}, now {current})"
+        return None
+    began = boot_time()
+    if began is not None and mtime < began:
+        return "before this boot began (and records no boot id)"
+    return None
 
 
 def _is_namespace_init(pid: int) -> bool:

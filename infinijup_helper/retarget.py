@@ -1,4 +1,4 @@
-"""Restoring a kernel's images into another kernel session: other TCP ports, another log file.
+"""Restoring a kernel's images into another kernel session: other endpoints, another log file.
 
 A kernel listens on the ports of the session that started it, and CRIU gives a restored kernel
 the very sockets it had. To restore a snapshot into another session (a new kernel, a second one
@@ -6,7 +6,8 @@ side by side, a server that restarted), the staged ``files.img`` is rewritten be
 it: each TCP socket bound to a saved port is bound to that session's port instead, and the
 kernel's stdout/stderr log (opened with O_APPEND, so CRIU records no size for it) becomes the
 new session's log. Nothing inside the kernel changes: ZMQ keeps the same descriptors, now bound
-elsewhere. Other listening TCP sockets whose saved port is taken on this machine (ipykernel's
+elsewhere. A kernel listening on unix sockets (ZMQ ipc endpoints) has their saved paths
+replaced by the session's the same way. Other listening TCP sockets whose saved port is taken on this machine (ipykernel's
 IOPub thread binds a random port of its own; a copy restored beside the kernel it came from
 finds it held) move to a free port the same way.
 
@@ -46,11 +47,14 @@ def unprivileged_port_start() -> int:
 @dataclass(frozen=True)
 class RetargetPlan:
     port_map: tuple[tuple[int, int], ...] = ()
+    # unix socket paths (saved -> new): the kernel's ZMQ ipc endpoints. CRIU binds them as the
+    # caller, so a path the caller could not bind itself fails the restore, as it should.
+    path_map: tuple[tuple[str, str], ...] = ()
     log_path: str | None = None  # the new kernel log, already confined to the caller's work dir
 
     @property
     def empty(self) -> bool:
-        return not self.port_map and self.log_path is None
+        return not self.port_map and not self.path_map and self.log_path is None
 
 
 def check_ports(plan: RetargetPlan, caller_is_root: bool) -> None:
@@ -67,14 +71,18 @@ def check_ports(plan: RetargetPlan, caller_is_root: bool) -> None:
 def retarget_images(criu: Criu, dir_fd: int, plan: RetargetPlan) -> dict[str, int]:
     """Rewrite ``files.img`` in the staging dir ``dir_fd``; return what was changed."""
     if plan.empty:
-        return {"ports": 0, "logs": 0}
+        return {"ports": 0, "paths": 0, "logs": 0}
     image = criu.load_image(dir_fd, FILES_IMAGE)
     ports = dict(plan.port_map)
     if ports:
         ports.update(_busy_listeners(image, ports))
     log_dir, log_name = os.path.split(plan.log_path) if plan.log_path else (None, None)
-    changed_ports = changed_logs = 0
+    paths = {old.encode(): new.encode() for old, new in plan.path_map}
+    changed_ports = changed_paths = changed_logs = 0
     for entry in image.get("entries", []):
+        usk = entry.get("usk") if entry.get("type") == "UNIXSK" else None
+        if usk is not None and paths and _rename_unix(criu, usk, paths):
+            changed_paths += 1
         isk = entry.get("isk") if entry.get("type") == "INETSK" else None
         if isk is not None and isk.get("proto") == TCP and isk.get("src_port") in ports:
             isk["src_port"] = ports[isk["src_port"]]
@@ -86,7 +94,23 @@ def retarget_images(criu: Criu, dir_fd: int, plan: RetargetPlan) -> dict[str, in
                 reg["name"] = plan.log_path
                 changed_logs += 1
     _write_image(criu, dir_fd, image)
-    return {"ports": changed_ports, "logs": changed_logs}
+    return {"ports": changed_ports, "paths": changed_paths, "logs": changed_logs}
+
+
+def _rename_unix(criu: Criu, usk: dict, paths: dict[bytes, bytes]) -> bool:
+    """Bind a unix socket of the image to its new path, if its saved path moves. pycriu
+    carries names quoted-printable; the kernel may keep a trailing NUL in them."""
+    codec = criu.pycriu.images.pb2dict
+    raw = codec.decode_unix(usk.get("name") or b"")
+    if isinstance(raw, str):
+        raw = raw.encode()
+    path, nul, rest = raw.partition(b"\0")
+    if path not in paths or rest.strip(b"\0"):
+        return False
+    new = paths[path] + nul + rest
+    usk["name"] = codec.encode_unix(new).decode() if isinstance(usk.get("name"), str) \
+        else codec.encode_unix(new)
+    return True
 
 
 def _address(isk: dict) -> tuple[int, str] | None:

@@ -22,7 +22,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import protocol as p
-from .limits import Limits
+from .holds import hold
+from .limits import Limits, read_caller_context
 from .ops import Operations
 from .proc import Caller
 from .protocol import RequestError
@@ -242,6 +243,10 @@ class HelperServer:
     def _serve_connection(self, conn: socket.socket, caller: Caller) -> None:
         replies = _Replies(conn)
         try:
+            # What its kernels inherit from the caller (cgroup, resource limits): read now,
+            # through its pidfd, once; a process the socket is handed to later changes nothing.
+            hold("connection_accepted", pid=caller.pid)
+            caller = read_caller_context(caller)
             reader = LineReader(conn, self.limits)
             while replies.alive:
                 try:

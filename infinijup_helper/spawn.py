@@ -68,6 +68,4 @@ def spawn_tree(spec: SpawnSpec, timeout: float = 30.0) -> int:
         raise SpawnFailed(f"the namespace launcher failed (exit {done.returncode}): {err}")
     if "error" in answer:
         raise SpawnFailed(str(answer["error"]))
-    if answer.get("cgroup_problem"):
-        log.warning("tree %s: %s", answer["pid"], answer["cgroup_problem"])
     return int(answer["pid"])

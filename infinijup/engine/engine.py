@@ -395,12 +395,12 @@ class SnapshotEngine:
     def restore(self, images: Path, replace_pid: int | None,
                 on_progress: Progress = _no_progress,
                 gpu_map: tuple[tuple[str, str], ...] = (),
-                port_map: tuple[tuple[int, int], ...] = (),
+                path_map: tuple[tuple[str, str], ...] = (),
                 log_path: str | None = None) -> RestoreResult:
         """Replace the tree at ``replace_pid`` with the one in ``images``; remove ``images``.
 
         ``gpu_map`` pairs (saved GPU UUID, GPU UUID here) move GPU state onto other GPUs;
-        ``port_map`` and ``log_path`` put the kernel into another session (retarget.py).
+        ``path_map`` and ``log_path`` put the kernel into another session (retarget.py).
         """
         t0 = time.perf_counter()
         started: list[str] = []
@@ -413,7 +413,7 @@ class SnapshotEngine:
         try:
             result = self.helper.restore(str(images), replace_pid=replace_pid,
                                          on_progress=progress, gpu_map=gpu_map,
-                                         port_map=port_map, log_path=log_path)
+                                         path_map=path_map, log_path=log_path)
         except InfinijupError as exc:
             if getattr(exc, "reason", None) == "missing_files":  # refused before any kill
                 raise PreflightRefused(f"cannot restore here: {exc}",

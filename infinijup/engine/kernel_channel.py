@@ -31,17 +31,20 @@ async def _shell_reply(kc, msg_id: str, timeout: float) -> dict:
             return msg
 
 
-async def run_agent(km, expression: str, timeout: float) -> dict:
+async def run_agent(km, expression: str, timeout: float, then_key: bytes | None = None) -> dict:
     """Evaluate ``expression`` (returning a JSON string) in the kernel once it is idle.
 
     The request waits behind any running cell; past ``timeout`` it raises Conflict (409) and the
-    running cell is left alone.
+    running cell is left alone. ``then_key``: the request is signed with the session's key of
+    now, the reply is read with this one (the expression gives the kernel a new key).
     """
     kc = km.client()
     kc.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
     try:
         msg_id = kc.execute("", silent=True, store_history=False,
                             user_expressions={"r": expression})
+        if then_key is not None:  # signed and queued: what comes back is signed anew
+            kc.session.key = then_key
         try:
             reply = await _shell_reply(kc, msg_id, timeout)
         except (TimeoutError, asyncio.TimeoutError):

@@ -2,8 +2,8 @@
 
 The helper runs CRIU as a child; if the helper is killed while CRIU restores a kernel, CRIU
 carries on and the restored tree comes up (re-parented to init) although nobody got its pid:
-the server sees ``helper_disconnected``. That tree listens on the kernel's own ports (they are
-in the snapshot), so it is found by its listening shell port: the process holding that socket,
+the server sees ``helper_disconnected``. That tree listens on the kernel's own endpoints (they are
+in the snapshot), so it is found by its listening shell socket: the process holding that socket,
 below a tree root the helper recorded as ours. The helper records every tree it restores,
 before CRIU lets it run, in a file only root can write (``<socket>.trees.json``, pid and start
 time and owner; see infinijup_helper/registry.py): that record, not a command line anyone
@@ -19,26 +19,20 @@ import time
 
 from .. import config
 from ..process import start_time
+from ..unix_diag import TCP_LISTEN, unix_sockets
 
-_LISTEN = "0A"
 REGISTRY_SUFFIX = ".trees.json"
 
 
-def _listening_inodes(port: int) -> set[str]:
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                next(f)
-                for line in f:
-                    fields = line.split()
-                    if fields[3] != _LISTEN:  # (CRIU creates them as root: no uid check)
-                        continue
-                    if int(fields[1].rsplit(":", 1)[1], 16) == port:
-                        inodes.add(fields[9])
-        except (OSError, ValueError, IndexError):
-            continue
-    return inodes
+def _listening_inodes(shell_path: str) -> set[str]:
+    """Inodes of the unix sockets listening on ``shell_path`` (CRIU binds them as the
+    kernel's owner, in a directory only that owner can enter)."""
+    try:
+        sockets = unix_sockets()
+    except OSError:
+        return set()
+    return {str(s.inode) for s in sockets.values()
+            if s.state == TCP_LISTEN and s.name == shell_path}
 
 
 def _holder(inodes: set[str]) -> int | None:
@@ -115,9 +109,10 @@ def _criu_running() -> bool:
     return False
 
 
-def find_restored_tree(shell_port: int, uid: int | None = None, grace: float = 5.0,
+def find_restored_tree(shell_path: str, uid: int | None = None, grace: float = 5.0,
                        timeout: float = 30.0, socket_path: str | None = None) -> int | None:
-    """The root pid of a tree serving ``shell_port`` for ``uid`` (default: ours).
+    """The root pid of a tree serving the shell endpoint ``shell_path`` for ``uid`` (default:
+    ours).
 
     Looks for ``grace`` seconds, and on while some CRIU is still at work (the orphaned
     restore may not have bound the port yet) or the port is bound by a task not yet found,
@@ -127,7 +122,7 @@ def find_restored_tree(shell_port: int, uid: int | None = None, grace: float = 5
     start = time.monotonic()
     while True:
         busy = _criu_running()
-        inodes = _listening_inodes(shell_port)
+        inodes = _listening_inodes(shell_path)
         holder = _holder(inodes) if inodes else None
         if holder is not None:
             root = tree_root_of(holder, uid, socket_path)

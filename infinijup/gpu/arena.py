@@ -1,14 +1,17 @@
 """Where a kernel's GPU segments wait while it is dumped (issue 13): its arena.
 
 A private directory of the user in RAM, with one file per kernel: ``<root>/<kernel id>/segments``.
-The root is ``INFINIJUP_GPU_ARENA_ROOT`` where set; else the user's directory in the helper's
-tmpfs with huge pages (``<helper socket dir>/gpu-arena/<uid>``, made by the helper's ``hello``:
-a first snapshot's pages are allocated five times faster there); else ``/dev/shm/infinijup-<uid>``.
-The
+The root is ``INFINIJUP_GPU_ARENA_ROOT`` where set; else the user's own tmpfs with huge pages
+that the helper mounts beside its socket (``<helper socket dir>/gpu-arena/<uid>``, mounted by
+the helper's ``hello``, ``--gpu-arena-quota`` in size, nosuid,nodev,noexec: a first snapshot's
+pages are allocated five times faster there); else ``/dev/shm/infinijup-<uid>``. The
 kernel writes it while quiesced (``kernel_magics/gpu_vmm.py``), the store takes it in beside
 the CRIU images as ``gpu-segments``, and the kernel reads it back when it resumes. It is kept
 between snapshots (a file whose pages exist takes the next snapshot at copy-engine speed) and
-removed when the kernel ends or hibernates.
+removed when the kernel ends or hibernates (:func:`remove_kernel`). In the helper's arena the
+helper removes them too, where a server died first (``infinijup_helper/arena.py``): a kernel's
+directory when its tree ends, all of them when the user's last tree ends or at a helper start
+that finds none running; the ``go-`` files stay (their writer removes them).
 
 ``INFINIJUP_GPU_ALLOCATOR=driver`` in the server's environment turns all of this off: every
 snapshot then takes the CUDA driver's checkpoint of the whole GPU memory, as before.
@@ -47,7 +50,8 @@ def root() -> Path | None:
 
 
 def helper_root() -> Path:
-    """This user's directory in the helper's GPU arena (it exists once the helper made it)."""
+    """This user's tmpfs in the helper's GPU arena (theirs once the helper's hello mounted it;
+    until then a directory of root's, which :func:`root` passes over)."""
     from .. import config
 
     return Path(os.path.dirname(config.helper_socket())) / HELPER_ARENA / str(os.geteuid())

@@ -26,6 +26,12 @@ def main() -> None:
     arm_vllm()  # vLLM's AsyncLLM engines parked for snapshots, once the user imports vLLM
 
     argv = sys.argv[1:]
+    from .ipc_pipe import install as pipe_on_ipc
+    from .ipc_pipe import ip_of
+
+    ip = ip_of(argv)
+    if ip is not None:
+        pipe_on_ipc(ip)  # no TCP port at all: the subprocess pipe beside the channels
     if not any(a.startswith("--ext") for a in argv):
         argv = [*argv, "--ext=infinijup.kernel_magics"]
     # Input history lives in memory, so it is part of every snapshot: a history file on disk

@@ -20,7 +20,7 @@ from pathlib import Path
 from traitlets import Bool, Float, Integer, Unicode, default, observe
 from traitlets.config import LoggingConfigurable
 
-from .. import __version__, config
+from .. import __version__, config, endpoints
 from ..engine import Head, SnapshotEngine, plan_snapshot
 from ..engine.heads import head_after_restore
 from ..engine.hot_tier import default_budget
@@ -36,6 +36,7 @@ from ..engine.orphans import find_restored_tree
 from ..engine.reconnect import connections_to, wait_reconnected
 from ..engine.retarget import (
     adopt_expression,
+    endpoint_paths,
     plan_retarget,
     saved_connection,
     why_not_retargetable,
@@ -53,7 +54,6 @@ from ..gpu import arena as gpu_arena
 from ..gpu import room
 from ..gpu.restore_rules import plan_gpu_restore
 from ..helper_client import HelperClient
-from ..kernel_key import user_kernel_key
 from ..kernel_magics import agent
 from ..provisioner import InfinijupProvisioner
 from ..store import Repository, default_store_path
@@ -590,6 +590,7 @@ class SnapshotManager(LoggingConfigurable):
         gpu_pairs = await asyncio.to_thread(plan_gpu_restore, commit.metadata or {},
                                             force=force, requested=gpu_map)
         state = await self._begin(kernel_id, "restore", path)
+        session_key = km.session.key
         t0 = time.perf_counter()
         segments: str | None = None
         token = None
@@ -606,13 +607,17 @@ class SnapshotManager(LoggingConfigurable):
             if segments is not None and token:
                 gpu_arena.say_go(token, segments)  # the restored kernel takes this copy
             info = km.get_connection_info()
-            ports = [info[k] for k in ("shell_port", "iopub_port", "stdin_port", "control_port")]
-            connected = connections_to(ports)
+            await asyncio.to_thread(endpoints.check, info["ip"])
+            paths = endpoint_paths(info)
+            connected = connections_to([paths[k] for k in ("shell_port", "iopub_port",
+                                                           "stdin_port", "control_port")])
             prov.restoring = True
+            if retarget.saved_key is not None:  # it signs with its own key until adopted
+                km.session.key = retarget.saved_key
             try:
                 result = await asyncio.to_thread(
                     engine.restore, images, prov.root_pid, self._progress(state), gpu_pairs,
-                    retarget.port_map, None if retarget.same_session else prov.log_path)
+                    retarget.path_map, None if retarget.same_session else prov.log_path)
                 pid, phases = result.pid, {**result.phases, "checkout_s": source["checkout_s"],
                                            "images": source["source"],
                                            **({"pulled": source["pulled"]}
@@ -620,6 +625,7 @@ class SnapshotManager(LoggingConfigurable):
             except RestoreFailed as exc:
                 pid = await self._find_orphan(km, prov, exc)
                 if pid is None:
+                    km.session.key = session_key
                     if not prov.hibernated:  # a hibernated kernel stays so, to wake later
                         await self._recover(km, prov, exc)
                     raise
@@ -633,13 +639,20 @@ class SnapshotManager(LoggingConfigurable):
                 if not phases.get("adopted"):
                     raise
                 await prov.kill()
+                km.session.key = session_key
                 await self._recover(km, prov, exc)
                 raise
             if not retarget.same_session:
-                await run_agent(km, adopt_expression(kernel_id, self.serverapp.connection_url,
-                                                   str(config.results_dir()),
-                                                   km.connection_file or None),
-                                self.busy_timeout)
+                adopt = adopt_expression(kernel_id, self.serverapp.connection_url,
+                                         str(config.results_dir()), km.connection_file or None,
+                                         info["ip"], rekey=retarget.saved_key is not None)
+                adopted = await run_agent(km, adopt, self.busy_timeout, then_key=session_key)
+                km.session.key = session_key  # the kernel signs with it from now on
+                if retarget.saved_key is not None:
+                    self._watch_activity_anew(km)
+                if "error" in adopted:
+                    raise RestoreFailed("the restored kernel could not take this session's "
+                                        f"endpoints and key: {adopted['error']}")
             await self._resume(km, restored=True, segments=segments)
             self.hibernation.restored(kernel_id)  # a hibernated kernel restored: awake
             commit_thread = (commit.metadata or {}).get("thread", DEFAULT_THREAD)
@@ -657,6 +670,7 @@ class SnapshotManager(LoggingConfigurable):
             self._emit(state, "error", 100, message=exc.message, reason=exc.reason)
             raise
         finally:
+            km.session.key = session_key  # the session's key, whatever happened
             prov.restoring = False
             if segments is not None:
                 gpu_arena.discard(segments)
@@ -664,6 +678,17 @@ class SnapshotManager(LoggingConfigurable):
                     gpu_arena.forget_go(token)
             self.hibernation.restore_ends(kernel_id)
             self._end(state)
+
+    def _watch_activity_anew(self, km) -> None:
+        """jupyter_server's activity stream closes on the first message it cannot verify (those
+        the restored kernel signed with its snapshot's key): watch the adopted kernel anew."""
+        stream = getattr(km, "_activity_stream", None)
+        if stream is not None and not stream.closed():
+            stream.close()
+        km._activity_stream = None
+        self.kernel_manager.start_watching_activity(km.kernel_id)
+        if getattr(km, "execution_state", None) == "starting":
+            km.execution_state = "idle"  # it answered, and nothing runs until the restore ends
 
     async def _wait_idle(self, km) -> None:
         deadline = time.monotonic() + self.busy_timeout
@@ -684,8 +709,8 @@ class SnapshotManager(LoggingConfigurable):
             return None
         if prov.tracked is not None and prov.tracked.alive():
             return None
-        port = int(km.get_connection_info()["shell_port"])
-        pid = await asyncio.to_thread(find_restored_tree, port)
+        shell = endpoint_paths(km.get_connection_info())["shell_port"]
+        pid = await asyncio.to_thread(find_restored_tree, shell)
         if pid is not None:
             self.log.warning("infinijup: the helper died during the restore of kernel %s; "
                              "adopting the tree it restored (pid %d)", km.kernel_id, pid)
@@ -865,9 +890,9 @@ class SnapshotManager(LoggingConfigurable):
 
     @staticmethod
     def _session_connection() -> dict:
-        """What a new Infinijup kernel of this server is sure to share with a snapshot's: the
-        user's key (transport and address are checked against the kernel itself)."""
-        return {"key": user_kernel_key().decode()}
+        """What a new Infinijup kernel of this server is sure to have: its transport (its key
+        and endpoints are its own, and a restore moves the snapshot's to them)."""
+        return {"transport": "ipc"}
 
     def _resumable(self, c) -> str | None:
         """Why commit ``c`` cannot be resumed into a new kernel here (None: it can)."""

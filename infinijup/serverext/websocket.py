@@ -56,6 +56,14 @@ class RestingKernelConnection(ZMQChannelsWebsocketConnection):
             return done
         return super().nudge()
 
+    def handle_outgoing_message(self, stream, outgoing_msg) -> None:
+        try:
+            super().handle_outgoing_message(stream, outgoing_msg)
+        except ValueError as exc:
+            # A kernel restored into this session signs with its snapshot's key until it is
+            # given this session's (engine/retarget.py): drop such a message, keep the channel.
+            self.log.debug("infinijup: dropped a message of kernel %s: %s", self.kernel_id, exc)
+
     def handle_incoming_message(self, incoming_msg) -> None:
         hibernation = self.hibernation
         if hibernation is None or (not hibernation.holds(self.kernel_id) and self._held is None):

@@ -137,6 +137,15 @@ def _threads(repo: Repository, args: argparse.Namespace) -> int:
     return 0
 
 
+def shown_metadata(metadata: dict | None) -> dict:
+    """A commit's metadata as printed: the kernel's message key (``connection.key``) is
+    never shown; that it is recorded is."""
+    meta = dict(metadata or {})
+    if isinstance(meta.get("connection"), dict) and "key" in meta["connection"]:
+        meta["connection"] = {**meta["connection"], "key": "(recorded, not shown)"}
+    return meta
+
+
 def _show(repo: Repository, args: argparse.Namespace) -> int:
     c = repo.get_commit(args.ref)
     print(f"commit   {c.id}")
@@ -145,7 +154,7 @@ def _show(repo: Repository, args: argparse.Namespace) -> int:
     print(f"created  {_fmt_time(c.created)}")
     print(f"tree     {c.tree}")
     print(f"message  {c.message}")
-    print(f"metadata {json.dumps(c.metadata, sort_keys=True)}")
+    print(f"metadata {json.dumps(shown_metadata(c.metadata), sort_keys=True)}")
     print(f"stats    {json.dumps(c.stats, sort_keys=True)}")
     where = remote_only(repo).get(c.id)
     print(f"data     {f'remote-only, on {where} (a restore or pull brings it back)' if where else 'local'}")

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
+import subprocess
+from pathlib import Path
 
-from helperkit import HelperDaemon, make_base, needs_root_and_criu, start_kernel
+import pytest
+from helperkit import HelperDaemon, as_user, make_base, needs_root_and_criu, start_kernel
 
 pytestmark = needs_root_and_criu
 
@@ -44,3 +48,63 @@ def test_kernel_survives_helper_sigkill_and_new_helper_can_dump_it(trees) -> Non
         first.stop(signal.SIGKILL)
         second.stop()
         shutil.rmtree(first.base, ignore_errors=True)
+
+
+@pytest.mark.parametrize("written", ["another boot id", "no boot id, before this boot"])
+def test_a_registry_of_another_boot_is_forgotten(other_account, written) -> None:
+    """Issue 26: the registry names trees by pid and start time, which name one process for
+    one boot only. A registry file of another boot (a socket dir that outlived a reboot) is
+    forgotten: none of its trees is adopted, and the process its pid names now, whoever's, is
+    not the user's to dump, signal or kill. The same file written during this boot is
+    adopted (the control)."""
+    from infinijup.helper_client import HelperClient
+    from infinijup_helper.registry import start_time
+
+    boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    boot_time = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                     if line.startswith("btime "))
+    base = make_base()
+    run = base / "run"
+    run.mkdir(mode=0o755)
+    registry = run / "helper.sock.trees.json"
+    victim = subprocess.Popen(["sleep", "600"])  # root's; the registry names its pid
+    entry = {"pid": victim.pid, "start": start_time(victim.pid), "owner": other_account.pw_uid,
+             "namespace": False}
+
+    def write(boot: str | None, mtime: float | None = None) -> None:
+        recorded: dict = {"v": 1, "trees": [entry]}
+        if boot is not None:
+            recorded["boot_id"] = boot
+        registry.write_text(json.dumps(recorded))
+        os.chmod(registry, 0o644)
+        if mtime is not None:
+            os.utime(registry, (mtime, mtime))
+
+    helper = HelperDaemon(base)
+    try:
+        write(boot_id)  # the control: this boot's file is adopted
+        helper.start()
+        client = HelperClient(helper.socket_path, timeout=60)
+        assert as_user(other_account, client.trees) == {"value": [victim.pid]}
+        helper.stop()
+
+        if written == "another boot id":
+            write("00000000-0000-4000-8000-000000000000")
+        else:
+            write(None, mtime=boot_time - 3600)
+        helper.start()
+        assert as_user(other_account, client.trees) == {"value": []}
+        for attempt in (lambda: client.kill(victim.pid),
+                        lambda: client.signal(victim.pid, signal.SIGTERM),
+                        lambda: client.dump(victim.pid, f"{client.work_dir()}/stolen")):
+            result = as_user(other_account, attempt)
+            assert result.get("error") == "no_such_process", result
+        assert victim.poll() is None  # untouched
+        rewritten = json.loads(registry.read_text())
+        assert rewritten["trees"] == [] and rewritten["boot_id"] == boot_id, rewritten
+        assert "none adopted" in helper.log()
+    finally:
+        helper.stop()
+        victim.kill()
+        victim.wait()
+        shutil.rmtree(base, ignore_errors=True)

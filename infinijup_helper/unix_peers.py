@@ -1,0 +1,81 @@
+"""A kernel's unix socket connections to processes outside its tree, across a dump and restore.
+
+Kernels listen on ZMQ ipc endpoints (unix sockets in a directory only their owner can enter), so
+the Jupyter server's connections to a kernel are unix stream sockets whose other end is outside
+the dumped tree. CRIU refuses to dump half of such a connection unless the socket is named as an
+external one; on restore it needs a socket to put in its place. The connection itself cannot
+come back (its peer is the server's socket of that moment), so the restored kernel gets a socket
+whose other end is already closed: ZMQ reads end-of-file, drops that connection, and the server
+reconnects to the restored listener, as it does after a kernel restart. That is what CRIU's
+``tcp_close`` does for TCP connections.
+
+- dump: every socket inode the tree holds is named ``unix[INO]`` in CRIU's external list (an
+  inode whose peer is inside the tree is not affected by it). A connection accepted between
+  this walk and CRIU's freeze is not in the list: CRIU then fails with "External socket is
+  used", resumes the tree, and the dump is tried again (``is_new_connection``).
+- restore: each unix socket of the images whose peer is an external one gets the live end of a
+  fresh socket pair whose other end is closed, through CRIU's ``inherit_fd``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+from collections.abc import Iterator
+
+from .proc import tree_members
+
+USK_EXTERN = 1  # CRIU's sk-unix.c: a socket outside the dumped tree
+_SOCKET = re.compile(r"^socket:\[(\d+)\]$")
+NEW_CONNECTION = "External socket is used"  # CRIU's message for an unlisted external peer
+MAX_EXTERNAL = 4096
+
+
+def tree_socket_ids(root: int) -> list[str]:
+    """CRIU's external ids (``unix[INO]``) of every socket a process of the tree holds."""
+    inodes: set[int] = set()
+    for pid in tree_members(root):
+        try:
+            names = os.listdir(f"/proc/{pid}/fd")
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        for name in names:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{name}")
+            except OSError:
+                continue
+            match = _SOCKET.match(target)
+            if match:
+                inodes.add(int(match.group(1)))
+    return [f"unix[{ino}]" for ino in sorted(inodes)[:MAX_EXTERNAL]]
+
+
+def is_new_connection(message: str) -> bool:
+    """Whether a failed dump failed on a connection made after the sockets were listed."""
+    return NEW_CONNECTION in message
+
+
+def detached_inodes(files_image: dict) -> list[int]:
+    """Inodes of the image's unix sockets whose peer was outside the dumped tree."""
+    entries = [e.get("usk") for e in files_image.get("entries", []) if e.get("type") == "UNIXSK"]
+    external = {u.get("ino") for u in entries if u and u.get("uflags", 0) & USK_EXTERN}
+    return sorted(u["ino"] for u in entries
+                  if u and not u.get("uflags", 0) & USK_EXTERN and u.get("peer") in external)
+
+
+@contextlib.contextmanager
+def closed_ends(inodes: list[int]) -> Iterator[list[tuple[str, int]]]:
+    """``(inherit key, fd)`` for each inode: one end of a pair whose other end is closed. The
+    descriptors are closed again when the restore is over (CRIU holds its own copies)."""
+    ends: list[socket.socket] = []
+    try:
+        for _ in inodes:
+            live, gone = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            gone.close()
+            ends.append(live)
+        yield [(f"socket:[{ino}]", end.fileno()) for ino, end in zip(inodes, ends, strict=True)]
+    finally:
+        for end in ends:
+            end.close()
