@@ -81,10 +81,21 @@ def recorded_roots(uid: int, path: str | None = None) -> dict[int, int]:
         if not stat.S_ISREG(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
             return {}
         try:
-            entries = json.loads(f.read(16 << 20))["trees"]
-            return {int(e["pid"]): int(e["start"]) for e in entries if int(e["owner"]) == uid}
+            doc = json.loads(f.read(16 << 20))
+            if doc.get("boot_id") != _boot_id():  # another boot's pids name other processes
+                return {}
+            return {int(e["pid"]): int(e["start"]) for e in doc["trees"]
+                    if int(e["owner"]) == uid}
         except (ValueError, KeyError, TypeError):
             return {}
+
+
+def _boot_id() -> str | None:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 def tree_root_of(pid: int, uid: int, socket_path: str | None = None) -> int | None:

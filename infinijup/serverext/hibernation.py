@@ -4,7 +4,7 @@ Two ways to rest:
 - **released**: the kernel's VRAM moves to host memory in place (the helper's GPU release, no
   CRIU); the process keeps running and the GPU is free for others.
 - **hibernated**: the kernel is snapshotted to the store and its process ended: no process, no
-  RAM, no VRAM. The kernel stays in the server (same id, same ports, same websocket), and a
+  RAM, no VRAM. The kernel stays in the server (same id, same endpoints, same websocket), and a
   record beside the store names its snapshot, so a later server can bring it back too.
 
 While a kernel rests, the websocket layer (``websocket.py``) holds every request the notebook

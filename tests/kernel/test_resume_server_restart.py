@@ -70,7 +70,7 @@ def test_resume_after_server_stop_and_kill(helper_daemon):
         assert _resume_and_read(second, snap["commit"]) == expected
         code, kernels = second.request("GET", "/api/kernels")
         orphans = [int(p) for p in _kernel_roots(second, kernels)]
-        second.sigkill()  # its kernel runs on, holding its ports
+        second.sigkill()  # its kernel runs on, holding its endpoints
         helper = HelperClient(helper_daemon.socket_path)
         if not helper.hello().features.get("pid_namespace"):
             # Without PID namespaces (CUDA machines) the orphan holds the very pids the
@@ -100,13 +100,14 @@ def _kernel_roots(server: ServerProcess, kernels: list[dict]) -> list[int]:
     roots = []
     for k in kernels:
         conn = json.loads((server.runtime / f"kernel-{k['id']}.json").read_text())
-        roots.append(_listener_root(conn["shell_port"], server.env["INFINIJUP_HELPER_SOCKET"]))
+        roots.append(_listener_root(f"{conn['ip']}-{conn['shell_port']}",
+                                    server.env["INFINIJUP_HELPER_SOCKET"]))
     return roots
 
 
-def _listener_root(port: int, socket_path: str) -> int:
+def _listener_root(shell: str, socket_path: str) -> int:
     from infinijup.engine.orphans import find_restored_tree
 
-    pid = find_restored_tree(port, socket_path=socket_path)
-    assert pid is not None, f"no kernel tree listens on {port}"
+    pid = find_restored_tree(shell, socket_path=socket_path)
+    assert pid is not None, f"no kernel tree listens on {shell}"
     return pid

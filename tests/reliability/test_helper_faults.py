@@ -201,17 +201,18 @@ async def check_interrupted_restore(nb, jp_serverapp, rhelper, store_path, ctx) 
     """What must hold after the helper died mid-restore, whichever way it went: either the
     tree CRIU restored was adopted (the restore completed) or nothing was restored, the
     kernel is reported dead with the reason and restarts once the helper is back. Never an
-    untracked kernel holding the notebook's ports. Returns "adopted" or "restarted"."""
+    untracked kernel holding the notebook's endpoints. Returns "adopted" or "restarted"."""
     r = await ctx["task"]
     wait_gone(ctx["criu"])
     km = jp_serverapp.kernel_manager.get_kernel(nb.kernel_id)
-    port = km.get_connection_info()["shell_port"]
+    info = km.get_connection_info()
+    port = f"{info['ip']}-{info['shell_port']}"  # the shell endpoint (an ipc socket path)
     assert not psutil.pid_exists(ctx["old_root"])
     if r.code == 200:
         outcome = "adopted"
         assert json.loads(r.body)["phases"]["adopted"] is True
         root = provisioner(jp_serverapp, nb.kernel_id).root_pid
-        assert [c.pid for c in listeners(port)] == [ipykernel_pid(root)]
+        assert listeners(port) == [ipykernel_pid(root)]
         await state_intact(nb, ctx["digest"], {"x": "snapshotted"})
     else:
         outcome = "restarted"
@@ -219,7 +220,7 @@ async def check_interrupted_restore(nb, jp_serverapp, rhelper, store_path, ctx) 
         body = json.loads(r.body)
         assert body["reason"] == "helper_disconnected", body
         assert "restarting the kernel failed too" in body["message"], body
-        assert listeners(port) == []  # nothing half-restored holds the ports
+        assert listeners(port) == []  # nothing half-restored holds the endpoints
         model = json.loads((await nb.fetch("api", "kernels", nb.kernel_id)).body)
         assert model["execution_state"] == "dead" and "helper" in model["reason"], model
         rhelper.ensure_running()
@@ -301,9 +302,20 @@ def staged_file(rhelper, prefix: str, name: str) -> str | None:
     return None
 
 
-def listeners(port: int) -> list:
-    return [c for c in psutil.net_connections("tcp")
-            if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+def listeners(path: str) -> list[int]:
+    """Pids of the processes holding a unix socket listening on ``path``."""
+    from infinijup.unix_diag import TCP_LISTEN, own_socket_inodes, unix_sockets
+
+    inodes = {s.inode for s in unix_sockets().values()
+              if s.state == TCP_LISTEN and s.name == path}
+    holders = []
+    for proc in psutil.process_iter():
+        try:
+            if own_socket_inodes(proc.pid) & inodes:
+                holders.append(proc.pid)
+        except OSError:
+            continue
+    return holders
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])

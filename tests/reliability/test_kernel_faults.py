@@ -139,7 +139,7 @@ def test_connection_in_flight_during_dump(rhelper, tmp_path):
 
 async def test_clients_connecting_while_the_kernel_is_frozen(notebook, jp_serverapp, rhelper,
                                                              store_path):
-    """Clients connect to the kernel's ports while CRIU holds it frozen (a new browser tab,
+    """Clients connect to the kernel's endpoints while CRIU holds it frozen (a new browser tab,
     the server's own channels reconnecting): those connections wait in the listen queue,
     "in flight", as CRIU dumps the listening sockets. The snapshot must not fail for them."""
     import socket
@@ -148,8 +148,8 @@ async def test_clients_connecting_while_the_kernel_is_frozen(notebook, jp_server
     digest = await fill(nb, 300, seed=33)
     await nb.execute("x = 'frozen'")
     info = jp_serverapp.kernel_manager.get_kernel(nb.kernel_id).get_connection_info()
-    ports = [info[k] for k in ("shell_port", "iopub_port", "stdin_port", "control_port",
-                               "hb_port")]
+    ports = [f"{info['ip']}-{info[k]}" for k in ("shell_port", "iopub_port", "stdin_port",
+                                                 "control_port", "hb_port")]  # ipc endpoints
     kernel = ipykernel_pid(provisioner(jp_serverapp, nb.kernel_id).root_pid)
     rhelper.holds.arm(FROZEN)
     task = asyncio.ensure_future(nb.post("snapshot", {"kernel_id": nb.kernel_id}))
@@ -159,7 +159,10 @@ async def test_clients_connecting_while_the_kernel_is_frozen(notebook, jp_server
         assert traced_by(kernel) == criu  # frozen by CRIU...
         for port in ports:
             for _ in range(3):
-                clients.append(socket.create_connection(("127.0.0.1", port), timeout=30))
+                client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                client.settimeout(30)
+                client.connect(port)
+                clients.append(client)
         assert traced_by(kernel) == criu  # ...all the while the clients connected
         rhelper.holds.release(FROZEN)
         r = await task

@@ -297,7 +297,7 @@ def test_second_account_snapshots_restores_and_branches_its_own_kernel(other_ser
                                            {"kernel_id": kernel_id})
         assert code == 201 and snap2["thread"] == "other-path", snap2
         assert snap2["parents"] == [snap["commit"]]
-        # resumed into a new kernel of theirs (the helper rewrites the images' ports for it)
+        # resumed into a new kernel of theirs (the helper rewrites the images' endpoints for it)
         code, resumed = other_server.request("POST", "/infinijup/resume", {
             "path": "mine.ipynb", "commit": snap["commit"], "new_notebook": True})
         assert code == 200, resumed
@@ -364,6 +364,9 @@ def test_kernels_sign_their_own_requests_and_nothing_else(helper_up):
         code, hist = server.request("GET", f"/infinijup/history?kernel_id={mine}")
         assert code == 200 and [c["message"] for c in hist["commits"]] == ["signed"], hist
         key = kernel.kc.session.key
+        sibling = server.kernel_client(theirs)
+        assert sibling.kc.session.key != key  # no key shared by a user's kernels
+        sibling.close()
 
         def signed(method, path, body=None, kid=mine, key=key, ago=0.0, signed_body=None):
             raw = json.dumps(body).encode() if body is not None else b""
@@ -377,6 +380,11 @@ def test_kernels_sign_their_own_requests_and_nothing_else(helper_up):
         refused = {
             "another kernel's snapshot": signed("POST", "/infinijup/snapshot",
                                                 {"kernel_id": theirs}),
+            # each kernel session has a key of its own: this kernel cannot sign as its sibling
+            "signed as the sibling": signed("POST", "/infinijup/snapshot",
+                                            {"kernel_id": theirs}, kid=theirs),
+            "the sibling's status": signed("GET", f"/infinijup/status?kernel_id={theirs}",
+                                           kid=theirs),
             "another kernel's history": signed("GET", f"/infinijup/history?kernel_id={theirs}"),
             "starting kernels": signed("POST", "/infinijup/resume",
                                        {"path": "mine.ipynb", "commit": "main"}),
