@@ -347,7 +347,7 @@ def test_a_helper_start_removes_what_no_running_kernel_needs(
     daemon.start()
 
     # root runs no kernel: its kernels' directories went, its go file stayed, its mount too
-    assert os.listdir(mine) == ["go-feed"]
+    assert os.listdir(mine) == ["go-feed"], daemon.log()[-4000:]
     assert_safe_tmpfs(mine, size="8192k")
     # theirs runs a kernel (adopted by this helper): the helper cannot tell which directory
     # it answers to, so all stay while it runs
