@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import Conflict, InfinijupError, NotFound
+from ..gpu.room_plan import Candidate, margin_for, plan_room, release_refusal
 
 RELEASED, HIBERNATING, HIBERNATED, WAKING = "released", "hibernating", "hibernated", "waking"
 
@@ -50,6 +51,9 @@ class Hibernation:
         self.stopping = False  # the server is shutting its kernels down: keep their records
         self.listeners: dict[str, set] = {}  # kernel id -> websocket connections holding requests
         self.restoring: set[str] = set()  # kernels being restored: their requests wait too
+        # kernel id -> what it last answered to requests that need no computation
+        # (websocket.resting_answer): a resting kernel answers them from here, asleep
+        self.known: dict[str, dict[str, dict]] = {}
         self._ticker: asyncio.Task | None = None
 
     # --- what the websocket layer asks ------------------------------------------------------
@@ -168,6 +172,12 @@ class Hibernation:
         state = self.manager.event_state(kernel_id, "release")
         try:
             rest.vram = await self.manager.gpu_held(kernel_id)
+            # its GPU memory goes to host memory: only if that holds it (room_plan.py)
+            available, total = self.manager.host_memory()
+            why = release_refusal(rest.vram, await self._label(kernel_id), available,
+                                  margin_for(total))
+            if why is not None:
+                raise Conflict(why, reason="no_host_memory")
             detail = await self.manager.release_gpu(kernel_id)
         except BaseException as exc:
             self.rests.pop(kernel_id, None)
@@ -207,28 +217,33 @@ class Hibernation:
 
     async def _make_room(self, kernel_id: str, need: dict[str, int]) -> None:
         """Before a released kernel takes its GPU memory back: release the least recently
-        active idle kernels that hold memory on the GPUs short of it, until it fits (never a
-        busy kernel; if that is not enough, the reacquire fails and says so)."""
+        active idle kernels that hold memory on the GPUs short of it, until it fits; never a
+        busy kernel, and never one whose memory host memory cannot hold (room_plan.py). If the
+        room cannot be made so, nothing is released and the wake is refused with the reason."""
         if not need or not self.manager.make_room_on_wake:
             return
-        tried: set[str] = set()
-        while True:
-            free = await self.manager.gpu_free()
-            short = {g for g, n in need.items() if n > free.get(g, 0)}
-            if not short:
-                return
-            idle = sorted(self.manager.idle_kernels(time.time()), key=lambda k: -k[1])
-            for other, _idle_s in idle:
-                if other == kernel_id or other in self.rests or other in tried:
-                    continue
-                tried.add(other)
-                if short & set(await self.manager.gpu_held(other)):
-                    self.manager.log.info("infinijup: releasing idle kernel %s to make room "
-                                          "for %s", other, kernel_id)
-                    await self.release(other)
-                    break
-            else:
-                return
+        free = await self.manager.gpu_free()
+        if all(n <= free.get(g, 0) for g, n in need.items()):
+            return
+        idle = sorted(self.manager.idle_kernels(time.time()), key=lambda k: -k[1])
+        candidates = [Candidate(other, await self._label(other),
+                                await self.manager.gpu_held(other))
+                      for other, _idle_s in idle
+                      if other != kernel_id and other not in self.rests]
+        available, total = self.manager.host_memory()
+        plan = plan_room(need, free, candidates, available, margin_for(total))
+        if plan.refusal is not None:
+            raise Conflict(plan.refusal, reason="no_room")
+        for other in plan.release:
+            self.manager.log.info("infinijup: releasing idle kernel %s to make room for %s",
+                                  other, kernel_id)
+            await self.release(other)
+
+    async def _label(self, kernel_id: str) -> str:
+        try:
+            return await self.manager.notebook_path(kernel_id) or kernel_id
+        except InfinijupError:
+            return kernel_id
 
     def restored(self, kernel_id: str) -> None:
         """A restore gave the kernel a process again and it answers (a wake, or a restore the

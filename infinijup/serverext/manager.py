@@ -51,7 +51,7 @@ from ..errors import (
     SnapshotFailed,
 )
 from ..gpu import arena as gpu_arena
-from ..gpu import room
+from ..gpu import room, room_plan
 from ..gpu.restore_rules import plan_gpu_restore
 from ..helper_client import HelperClient
 from ..kernel_magics import agent
@@ -216,6 +216,11 @@ class SnapshotManager(LoggingConfigurable):
 
     async def gpu_free(self) -> dict[str, int]:
         return await asyncio.to_thread(room.free_by_gpu)
+
+    @staticmethod
+    def host_memory() -> tuple[int, int]:
+        """(available, total) bytes of host memory: where a released kernel's VRAM goes."""
+        return room_plan.host_memory()
 
     async def release_gpu(self, kernel_id: str) -> dict:
         prov = self._provisioner(self._kernel(kernel_id))

@@ -13,6 +13,8 @@ import time
 import pytest
 from kernelkit import Notebook, needs_helper
 
+from infinijup.gpu.room_plan import host_memory, margin_for
+
 HAS_GPU = os.path.exists("/dev/nvidiactl") and shutil.which("nvidia-smi") is not None
 
 pytestmark = [
@@ -78,6 +80,13 @@ async def test_two_kernels_of_sixty_percent_alternate(jp_fetch, jp_ws_fetch, jp_
     manager.gpu_release_after = 60.0
     total = max(free_by_gpu().values())
     n = int(0.6 * total)
+    available, host_total = host_memory()
+    if 2 * n + margin_for(host_total) > available:
+        # a switch holds one kernel released while the other is released too
+        pytest.skip(f"host memory ({available / 1e9:.0f} GB available) cannot hold two kernels "
+                    f"of {n / 1e9:.0f} GB at once: such kernels cannot take turns here (an "
+                    "H200's 141 GB against 128 GiB of RAM); test_a_wake_host_memory_cannot_"
+                    "make_room_for covers what happens then")
     a = await Notebook(jp_fetch, jp_ws_fetch, "a.ipynb").start(infinijup_kernelspec)
     b = await Notebook(jp_fetch, jp_ws_fetch, "b.ipynb").start(infinijup_kernelspec)
     try:
@@ -102,3 +111,52 @@ async def test_two_kernels_of_sixty_percent_alternate(jp_fetch, jp_ws_fetch, jp_
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_wake_host_memory_cannot_make_room_for(jp_fetch, jp_ws_fetch, jp_serverapp,
+                                                       infinijup_kernelspec):
+    """Issue 27's H200 case, scaled to the GPU: K1 (35% of the GPU) released, K2 (3%) and K3
+    (70%) idle on it. K1's next cell needs room: K3 gives way if host memory can hold its
+    bytes beside K1's; if not, nothing is released and the cell gets the reason. Either way
+    no kernel loses its state, and nothing is restarted."""
+    from infinijup.gpu.room import free_by_gpu
+
+    manager = jp_serverapp.web_app.settings["infinijup_manager"]
+    manager.gpu_release_after = 60.0
+    total = max(free_by_gpu().values())
+    sizes = {"k1": int(0.35 * total), "k2": int(0.03 * total), "k3": int(0.70 * total)}
+    nbs = {}
+    try:
+        for i, (name, n) in enumerate(sizes.items()):
+            nbs[name] = await Notebook(jp_fetch, jp_ws_fetch, f"{name}.ipynb").start(
+                infinijup_kernelspec)
+            if name == "k3":  # K1 first gives the GPU back (the policy, an hour idle)
+                await _idle_everywhere(jp_serverapp, *nbs.values())
+                await manager.hibernation.release(nbs["k1"].kernel_id)
+                assert await _state(nbs["k1"]) == "released"
+            await nbs[name].execute(FILL.format(seed=i + 1, n=n), timeout=600)
+        roots = {k: jp_serverapp.kernel_manager.get_kernel(nb.kernel_id).provisioner.root_pid
+                 for k, nb in nbs.items()}
+        await _idle_everywhere(jp_serverapp, nbs["k2"], nbs["k3"])
+        available, host_total = host_memory()
+        k3_fits = sizes["k3"] + margin_for(host_total) <= available
+        out = await nbs["k1"].execute(CHECK, timeout=600) if k3_fits else None
+        if k3_fits:
+            assert out["error"] is None, out
+            assert await _state(nbs["k3"]) == "released"
+        else:
+            msg_id = nbs["k1"].send_execute(CHECK)
+            answer = await nbs["k1"].collect(msg_id, timeout=600)
+            assert answer["error"] is not None, answer
+            assert "host memory" in answer["error"] and "k3.ipynb" in answer["error"], answer
+            assert await _state(nbs["k1"]) == "released"  # still resting, resumable
+            assert await _state(nbs["k3"]) == "running"
+        print(f"\nhost memory {available / 1e9:.0f} GB available, K3 {sizes['k3'] / 1e9:.0f} GB:"
+              f" {'K3 gave way' if k3_fits else 'refused: ' + answer['error']}")
+        for name in ("k2", "k3"):  # never restarted, state intact
+            prov = jp_serverapp.kernel_manager.get_kernel(nbs[name].kernel_id).provisioner
+            assert prov.root_pid == roots[name] and prov.launches == 1
+            assert await nbs[name].value(CHECK) is True
+    finally:
+        for nb in nbs.values():
+            await nb.close()
