@@ -22,6 +22,41 @@ from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebso
 
 V1 = "v1.kernel.websocket.jupyter.org"
 
+# What a resting kernel (hibernated, or with its GPU memory released) is asked, and what happens
+# (docs/api.md has the table). Answered from what it last said while awake, without waking it:
+#   kernel_info_request -> its last kernel_info_reply (Lab asks on every tab switch)
+#   comm_info_request   -> its last comm_info_reply (the comms are in its snapshot)
+#   debug_request debugInfo -> its last answer (the debugger panel asks on focus)
+#   interrupt_request   -> ok (nothing runs in a resting kernel)
+# Each of these is held instead, and answered once the kernel wakes, where it never said it.
+# Everything else wakes it: execute, complete, inspect, is_complete, history, input replies,
+# comm messages, every other debug_request (a debugging session the user starts).
+REMEMBERED = ("kernel_info_reply", "comm_info_reply", "debug_reply")
+WAIT_WITHOUT_WAKING = ("kernel_info_request", "comm_info_request")
+
+
+def remembered_key(reply_type: str, content: dict) -> str | None:
+    if reply_type == "debug_reply":
+        return "debug:debugInfo" if content.get("command") == "debugInfo" else None
+    if content.get("status", "ok") != "ok":
+        return None
+    return reply_type[: -len("_reply")]
+
+
+def resting_answer(known: dict, request: str, content: dict) -> tuple[str, dict] | None:
+    """(reply type, content) for a request a resting kernel can answer; None: it must wake."""
+    if request == "interrupt_request":
+        return "interrupt_reply", {"status": "ok"}
+    if request == "debug_request":
+        said = known.get("debug:debugInfo") if content.get("command") == "debugInfo" else None
+        if said is None:
+            return None
+        return "debug_reply", {**said, "request_seq": content.get("seq", said.get("request_seq"))}
+    said = known.get(request[: -len("_request")]) if request.endswith("_request") else None
+    if request in WAIT_WITHOUT_WAKING and said is not None:
+        return request[: -len("_request")] + "_reply", said
+    return None
+
 
 class RestingKernelConnection(ZMQChannelsWebsocketConnection):
     """A kernel websocket connection that holds requests while its kernel rests."""
@@ -63,16 +98,26 @@ class RestingKernelConnection(ZMQChannelsWebsocketConnection):
             # A kernel restored into this session signs with its snapshot's key until it is
             # given this session's (engine/retarget.py): drop such a message, keep the channel.
             self.log.debug("infinijup: dropped a message of kernel %s: %s", self.kernel_id, exc)
+            return
+        channel = stream if isinstance(stream, str) else getattr(stream, "channel", None)
+        if channel in ("shell", "control") and self.hibernation is not None:
+            self._remember(outgoing_msg)
 
     def handle_incoming_message(self, incoming_msg) -> None:
         hibernation = self.hibernation
         if hibernation is None or (not hibernation.holds(self.kernel_id) and self._held is None):
             return super().handle_incoming_message(incoming_msg)
         channel, header = self._parse(incoming_msg)
+        if hibernation.holds(self.kernel_id) and self._held is None:
+            answer = resting_answer(hibernation.known.get(self.kernel_id, {}),
+                                    header.get("msg_type", ""), self._content(incoming_msg))
+            if answer is not None:  # nothing to compute: answered from what it knew
+                self._answer(channel, header, *answer)
+                return
         if self._held is None:
             self._held = []
         self._held.append((incoming_msg, channel, header))
-        if header.get("msg_type") != "kernel_info_request":
+        if header.get("msg_type") not in WAIT_WITHOUT_WAKING:
             wake = hibernation.wake_soon(self.kernel_id)
             wake.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen in held_done
 
@@ -140,6 +185,38 @@ class RestingKernelConnection(ZMQChannelsWebsocketConnection):
             return msg.get("channel") or "shell", msg.get("header") or {}
         except Exception:
             return "shell", {}
+
+    def _content(self, incoming_msg) -> dict:
+        try:
+            if self.subprotocol == V1:
+                _channel, msg_list = deserialize_msg_from_ws_v1(incoming_msg)
+                return self.session.unpack(msg_list[3])
+            msg = (deserialize_binary_message(incoming_msg) if isinstance(incoming_msg, bytes)
+                   else json.loads(incoming_msg))
+            return msg.get("content") or {}
+        except Exception:
+            return {}
+
+    def _remember(self, outgoing_msg) -> None:
+        """Keep the kernel's latest answers to what needs no computation (resting_answer)."""
+        try:
+            _idents, parts = self.session.feed_identities(outgoing_msg)
+            header = self.session.unpack(bytes(parts[1]))
+            if header.get("msg_type") not in REMEMBERED:
+                return
+            content = self.session.unpack(bytes(parts[4]))
+        except Exception:
+            return
+        key = remembered_key(header["msg_type"], content)
+        if key is not None:
+            self.hibernation.known.setdefault(self.kernel_id, {})[key] = content
+
+    def _answer(self, channel: str, parent: dict, reply_type: str, content: dict) -> None:
+        """What the kernel would send: busy, the reply, idle."""
+        for msg_type, body, on in (("status", {"execution_state": "busy"}, "iopub"),
+                                   (reply_type, content, channel),
+                                   ("status", {"execution_state": "idle"}, "iopub")):
+            self._send(self.session.msg(msg_type, content=body, parent=parent), on)
 
     def _answer_with_error(self, channel: str, parent: dict, error: str) -> None:
         request = parent.get("msg_type", "")
