@@ -9,9 +9,11 @@ of small arrays). The result goes into the commit's metadata::
 
 ``fp`` is a change fingerprint: equal fingerprints mean "treat as unchanged". It hashes the
 bytes of small arrays, strings and bytes (and samples of large contiguous arrays), the columns
-of small pandas objects, the elements of small containers (small numbers and strings by value,
-others by identity), a tensor's storage and version counter, and otherwise the object's
-identity and the identities of its attributes. ``changed`` compares with the fingerprints of this kernel's previous snapshot,
+of small pandas objects, a tensor's storage and version counter, and walks containers and
+instance attributes (a bounded deep fingerprint: at most 10,000 objects a variable and 30,000 a
+snapshot), so a change made in place (an append to a list inside a dict, an item of a nested
+list, an attribute of an object) is seen. A variable too large to look at fully is marked
+``"partial": true``: unchanged there means "no change seen". ``changed`` compares with the fingerprints of this kernel's previous snapshot,
 kept here: a kernel restored from a snapshot holds the fingerprints of that very snapshot, which
 is the parent of its next one.
 """
@@ -29,7 +31,11 @@ MAX_SOURCE = 200
 FULL_HASH_BYTES = 1 << 20  # buffers up to this size are hashed whole
 SAMPLE_BLOCKS, SAMPLE_BLOCK = 16, 4096  # larger contiguous buffers: this many blocks of this size
 HASH_BUDGET = 32 << 20  # bytes hashed per snapshot, at most; past it, identity only
-MAX_ELEMENTS = 1000  # containers up to this length fingerprint their elements' identities
+MAX_ELEMENTS = 1000  # containers up to this length are walked, element by element
+MAX_NODES = 10_000  # objects visited per variable, at most (a bounded deep fingerprint)
+SNAPSHOT_NODES = 30_000  # and per snapshot, all variables together (about 0.1 s)
+MAX_DEPTH = 32
+PARTIAL = "~"  # marks the fingerprint of a variable not looked at fully
 
 # IPython's own names in the user namespace (also excluded when the user rebinds them).
 _IPYTHON_NAMES = frozenset({"In", "Out", "exit", "quit", "get_ipython"})
@@ -93,7 +99,7 @@ def _variables(ip) -> tuple[list[dict], dict[str, str], bool]:  # noqa: ANN001
     pairs = _user_variables(ip)
     truncated = len(pairs) > MAX_NAMES
     libs = _Libraries()
-    budget = [HASH_BUDGET]
+    budget = [HASH_BUDGET, SNAPSHOT_NODES]  # bytes hashed, objects walked
     items, fps = [], {}
     for name, value in pairs[:MAX_NAMES]:
         item = _describe_value(name, value, libs, budget)
@@ -128,8 +134,11 @@ def _describe_value(name: str, value: object, libs: _Libraries, budget: list[int
     try:
         size, shape, fp = _measure(value, t, libs, budget)
     except Exception:  # an odd object: identity alone
-        size, shape, fp = _object_size(value, t), None, _digest(t, b"id", id(value))
-    return {"name": name, "type": t.__name__, "size": int(size), "shape": shape, "fp": fp}
+        size, shape, fp = _object_size(value, t), None, _digest(t, b"id", id(value)) + PARTIAL
+    item = {"name": name, "type": t.__name__, "size": int(size), "shape": shape, "fp": fp}
+    if fp.endswith(PARTIAL):
+        item["partial"] = True  # too large to look at fully: "unchanged" may miss a change
+    return item
 
 
 def _measure(value: object, t: type, libs: _Libraries, budget: list[int]):
@@ -156,15 +165,106 @@ def _measure(value: object, t: type, libs: _Libraries, budget: list[int]):
         return sys.getsizeof(value), None, _buffer_fp(t, value, memoryview(value), budget)
     if t in _SIZED:
         n = len(value)
-        shape = f"len {n}"
-        if n > MAX_ELEMENTS:
-            return sys.getsizeof(value), shape, _digest(t, id(value), n)
-        if issubclass(t, dict):
-            keys = [_element(x) for kv in list(value.items()) for x in kv]
+        return sys.getsizeof(value), f"len {n}", _deep_fp(value, libs, budget)
+    return _object_size(value, t), None, _deep_fp(value, libs, budget)
+
+
+class _Walk:
+    """A bounded walk through one variable: containers, instance attributes and small arrays by
+    content, so a change made in place (``d['scores'].append(4)``, ``grid[1][0] = 7``,
+    ``obj.items.append(x)``) changes the fingerprint. At most ``MAX_NODES`` objects are visited
+    (and the snapshot's byte budget hashed); past that the rest counts by identity and the
+    variable is marked ``partial``: a change there may go unseen, and the commit says so. What
+    it sees goes straight into one hash, a token at a time."""
+
+    def __init__(self, libs: _Libraries, budget: list[int]) -> None:
+        self.libs, self.budget = libs, budget
+        self.nodes = min(MAX_NODES, budget[1])
+        self.partial = False
+        self.seen: set[int] = set()
+        self.h = hashlib.blake2b(digest_size=8)
+
+    def put(self, *parts: object) -> None:
+        self.h.update(repr(parts).encode())
+
+    def walk(self, x: object, depth: int = 0) -> None:
+        if self.nodes <= 0 or depth > MAX_DEPTH:
+            self.partial = True
+            self.put("id", id(x))
+            return
+        self.nodes -= 1  # every element counts: the budget bounds the work
+        t = type(x)
+        if t is int:
+            self.h.update(b"i%d;" % x if x.bit_length() < 4096 else b"I%d;" % hash(x))
+            return
+        if t is str and len(x) <= 256:
+            data = x.encode("utf-8", "surrogatepass")
+            self.h.update(b"s%d:" % len(data))
+            self.h.update(data)
+            return
+        if t is bool or t is float or t is complex or x is None:
+            self.h.update(repr(x).encode() + b";")
+            return
+        if t is str or t is bytes or t is bytearray:
+            data = x.encode("utf-8", "surrogatepass") if t is str else memoryview(x)
+            self.put("buf", _buffer_fp(t, x, data, self.budget))
+            return
+        if id(x) in self.seen:  # a cycle, or an object met twice: once is enough
+            self.put("seen", id(x))
+            return
+        self.seen.add(id(x))
+        if _is(t, self.libs.ndarray):
+            self.put("array", _array_fp(x, t, self.libs, self.budget))
+        elif _is(t, self.libs.tensor) or _is(t, self.libs.frame) or _is(t, self.libs.series):
+            self.put("value", _measure(x, t, self.libs, self.budget)[2])
+        elif t in _SIZED:  # the builtin ones only: a subclass's len or iteration is user code
+            self._container(x, t, depth)
         else:
-            keys = [_element(x) for x in list(value)]
-        return sys.getsizeof(value), shape, _digest(t, n, *keys)
-    return _object_size(value, t), None, _object_fp(value, t)
+            try:
+                attrs = object.__getattribute__(x, "__dict__")
+            except Exception:
+                attrs = None
+            self.put("obj", t.__qualname__, id(x))
+            if type(attrs) is dict:
+                self._container(attrs, dict, depth)
+
+    def _container(self, x, t: type, depth: int) -> None:  # noqa: ANN001
+        try:
+            n = len(x)
+            if n > MAX_ELEMENTS:
+                self.partial = True
+                self.put(t.__qualname__, "len", n, "id", id(x))
+                return
+            self.put(t.__qualname__, n)
+            if t is dict or issubclass(t, dict):
+                for k, v in list(x.items()):
+                    self.walk(k, depth + 1)
+                    self.walk(v, depth + 1)
+            elif t is set or t is frozenset:  # no order to rely on: each element apart
+                parts = []
+                for e in list(x):
+                    sub = _Walk(self.libs, self.budget)
+                    sub.nodes, sub.seen = self.nodes, self.seen
+                    sub.walk(e, depth + 1)
+                    self.nodes, self.partial = sub.nodes, self.partial or sub.partial
+                    parts.append(sub.h.digest())
+                for part in sorted(parts):
+                    self.h.update(part)
+            else:
+                for e in list(x):
+                    self.walk(e, depth + 1)
+        except Exception:  # changed size while walked, or an odd container: identity alone
+            self.partial = True
+            self.put(t.__qualname__, "id", id(x))
+
+
+def _deep_fp(value: object, libs: _Libraries, budget: list[int]) -> str:
+    walk = _Walk(libs, budget)
+    walk.h.update(f"{type(value).__module__}.{type(value).__qualname__}".encode())
+    walk.walk(value)
+    budget[1] -= min(MAX_NODES, budget[1]) - walk.nodes
+    fp = walk.h.hexdigest()
+    return fp + PARTIAL if walk.partial else fp
 
 
 def _element(x: object) -> object:
@@ -251,17 +351,6 @@ def _array_fp(a, t: type, libs: _Libraries, budget: list[int]) -> str:  # noqa: 
         h.update(repr(("id", id(a), a.__array_interface__["data"][0], a.strides)).encode())
         _sample_into(h, flat, budget)
     return h.hexdigest()
-
-
-def _object_fp(value: object, t: type) -> str:
-    """Identity, and the identity of each attribute value of small instance dicts."""
-    try:
-        attrs = object.__getattribute__(value, "__dict__")
-    except Exception:
-        attrs = None
-    if type(attrs) is dict and len(attrs) <= MAX_ELEMENTS:
-        return _digest(t, id(value), *(_element(x) for kv in list(attrs.items()) for x in kv))
-    return _digest(t, id(value))
 
 
 def _object_size(value: object, t: type) -> int:

@@ -61,7 +61,7 @@ def test_graph_draws_the_fork_point():
 
 
 DESCRIBE = r"""
-import json, numpy as np
+import json, types, numpy as np
 from IPython.core.interactiveshell import InteractiveShell
 from infinijup.kernel_magics import describe
 ip = InteractiveShell.instance()
@@ -73,13 +73,20 @@ class Guarded:
 ns.update(small=np.arange(1000), big=np.zeros(2**21), fortran=np.asfortranarray(np.ones((50, 40))),
           strided=np.ones((400, 400))[::2, ::3], objs=np.array(["a", 1], dtype=object),
           lst=[1, "a", 2.5], tup=(1, 2), dct={"k": [1]}, text="t" * 10, num=10**30,
-          guarded=Guarded(), _hidden=1)
+          guarded=Guarded(), _hidden=1, grid=[[1, 2], [3, 4]], same={"k": [1]},
+          box=types.SimpleNamespace(items=[1], arr=np.arange(4)), huge=list(range(5000)),
+          cyc=[])
+ns["cyc"].append(ns["cyc"])  # a cycle is walked once
 def run():
     d = describe.describe(ip)
     return d["cell"], {it["name"]: it for it in d["variables"]["items"]}, d["variables"]["truncated"]
 out = {"first": run()}
 ns["small"][5] = -1; ns["big"][:] = 2.0; ns["fortran"][3, 3] = 0.0; ns["strided"][0, 0] = 5.0
-ns["lst"] = [1, "a", 2.5]; ns["tup"] = (1, 2); ns["dct"]["k"] = [1]; ns["num"] = 10**30
+ns["lst"] = [1, "a", 2.5]; ns["tup"] = (1, 2); ns["num"] = 10**30
+# changed in place, deep inside (issue 28): an append in a dict, a nested item, an object's
+# attribute and an array inside an object; rebound to an equal value: unchanged
+ns["dct"]["k"].append(2); ns["grid"][1][0] = 7; ns["box"].items.append(2)
+ns["box"].arr[1:3] = 0; ns["same"] = {"k": [1]}; ns["huge"][4999] = -1
 out["second"] = run()
 describe.forget()  # that snapshot was not committed: compare with the first again
 ns["text"] = "u" * 10
@@ -102,7 +109,9 @@ def test_variable_descriptions_and_fingerprints():
     cell, first, truncated = out["first"]
     assert cell == {"execution_count": 1, "source": "import numpy as np"} and not truncated
     assert set(first) == {"small", "big", "fortran", "strided", "objs", "lst", "tup", "dct", "text",
-                          "num", "guarded"}  # no modules, no _names, no In/Out
+                          "num", "guarded", "grid", "same", "box", "huge", "cyc"}  # no modules,
+    # no _names, no In/Out; a variable too large to walk whole says so
+    assert first["huge"]["partial"] is True and "partial" not in first["grid"]
     assert all(it["changed"] for it in first.values())
     assert first["small"] | {"fp": ""} == {"name": "small", "type": "ndarray", "size": 8000,
                                              "shape": "(1000,)", "fp": "", "changed": True}
@@ -112,10 +121,12 @@ def test_variable_descriptions_and_fingerprints():
     # Changed in place (whole, sampled, Fortran order, strided) or mutated: changed; rebound to
     # equal numbers, strings and containers of them: unchanged.
     assert {n for n, it in second.items() if it["changed"]} == \
-        {"small", "big", "fortran", "strided", "dct"}
+        {"small", "big", "fortran", "strided", "dct", "grid", "box"}
+    # huge (5000 items, past what is walked) changed at its end: not seen, and marked partial
+    assert not second["huge"]["changed"] and second["huge"]["partial"]
     _, after, _ = out["after_forget"]
     assert {n for n, it in after.items() if it["changed"]} == \
-        {"small", "big", "fortran", "strided", "dct", "text"}
+        {"small", "big", "fortran", "strided", "dct", "grid", "box", "text"}
     _, many, truncated = out["many"]
     assert truncated and len(many) == 500
     assert many["v599"]["changed"] and many["zzz"]["changed"]  # changed ones are kept first

@@ -8,6 +8,7 @@ import { createHash } from 'crypto';
 import * as fs from 'fs';
 import * as path from 'path';
 
+import { expect } from '@jupyterlab/galata';
 import type { IJupyterLabPageFixture } from '@jupyterlab/galata';
 import type {
   Locator,
@@ -572,4 +573,14 @@ export async function createNotebook(
     name,
     { timeout: 60000 }
   );
+  // The tab carries its name before the file is on disk (the save that gives it the name may
+  // still be under way): what reads the notebook through the contents API (the mock's "Open
+  // in new notebook" copy) waits for the file, not the tab.
+  await expect
+    .poll(
+      async () =>
+        (await page.request.get(`/api/contents/${name}?content=0`)).status(),
+      { timeout: 60000 }
+    )
+    .toBe(200);
 }
