@@ -105,6 +105,12 @@ class HelperDaemon:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"helper did not start:\n{self.log()}")
             time.sleep(0.05)
+        # The socket listens from bind() on, before the helper has done what it does at start
+        # (the registry, the GPU arena and its sweep): a request is answered only once it serves
+        # (trees: one that changes nothing, unlike hello, which mounts the caller's arena).
+        from infinijup.helper_client import HelperClient
+
+        HelperClient(self.socket_path, timeout=max(1.0, deadline - time.monotonic())).trees()
 
     def log(self) -> str:
         try:

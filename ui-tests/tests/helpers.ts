@@ -575,11 +575,19 @@ export async function createNotebook(
   );
   // The tab carries its name before the file is on disk (the save that gives it the name may
   // still be under way): what reads the notebook through the contents API (the mock's "Open
-  // in new notebook" copy) waits for the file, not the tab.
+  // in new notebook" copy) waits for the file, not the tab. Galata may work in a directory of
+  // the test's own: the tab's path says where.
+  const where: string = await page.evaluate(
+    () => (window as any).jupyterapp.shell.currentWidget.context.path
+  );
   await expect
     .poll(
       async () =>
-        (await page.request.get(`/api/contents/${name}?content=0`)).status(),
+        (
+          await page.request.get(
+            `/api/contents/${where.split('/').map(encodeURIComponent).join('/')}?content=0`
+          )
+        ).status(),
       { timeout: 60000 }
     )
     .toBe(200);
