@@ -101,13 +101,23 @@ $(STAMPS)/hub-proxy: tests/hub/proxy/package.json $(wildcard tests/hub/proxy/pac
 # --- the privileged helper (root) --------------------------------------------------------
 # Root never runs the checkout or its venv (whoever can write those would be root): the helper
 # is copied to $(HELPER_PREFIX), root-owned, and runs from there (scripts/install_helper.py).
+# A helper already running from an older install is restarted (kernels keep running across a
+# helper restart): the digest of the installed code it started from is kept beside its pidfile.
 helper: $(STAMPS)/install
 	@scripts/require-root.sh "starting the privileged helper (CRIU needs root)" "sudo make helper"
 	@$(PY) scripts/install_helper.py --prefix $(HELPER_PREFIX) >/dev/null
-	@$(HELPER_PREFIX)/bin/infinijup-helper --daemon --socket $(HELPER_SOCKET) --pidfile $(HELPER_PIDFILE) --log $(HELPER_LOG)
+	@build=$$(cd $(HELPER_PREFIX) && find lib bin -type f -not -path '*/__pycache__/*' -print0 \
+	  | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16); \
+	if [ -f $(HELPER_PIDFILE) ] && ! grep -qx "$$build" $(HELPER_PIDFILE).build 2>/dev/null; then \
+	  echo "the installed helper changed: restarting it (running kernels keep running)"; \
+	  $(MAKE) --no-print-directory helper-stop; fi; \
+	$(HELPER_PREFIX)/bin/infinijup-helper --daemon --socket $(HELPER_SOCKET) --pidfile $(HELPER_PIDFILE) --log $(HELPER_LOG) \
+	  && echo "$$build" > $(HELPER_PIDFILE).build
 
 helper-stop:
-	@if [ -f $(HELPER_PIDFILE) ]; then kill $$(cat $(HELPER_PIDFILE)) 2>/dev/null || true; rm -f $(HELPER_PIDFILE); fi
+	@if [ -f $(HELPER_PIDFILE) ]; then pid=$$(cat $(HELPER_PIDFILE)); kill $$pid 2>/dev/null || true; \
+	  for i in $$(seq 300); do kill -0 $$pid 2>/dev/null || break; sleep 0.1; done; \
+	  rm -f $(HELPER_PIDFILE) $(HELPER_PIDFILE).build; fi
 
 # --- tests -------------------------------------------------------------------------------
 lint: $(STAMPS)/install
