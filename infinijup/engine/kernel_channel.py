@@ -85,3 +85,16 @@ async def wait_answering(km, timeout: float) -> float:
                             reason="restore_unresponsive")
     finally:
         kc.stop_channels()
+
+
+def watch_activity_anew(kernel_manager, km) -> None:
+    """jupyter_server's activity stream closes on the first message it cannot verify (those a
+    restored kernel signed with its snapshot's key before it was adopted): watch the kernel
+    anew. It answered, and nothing runs until the restore ends: not "starting" any more."""
+    stream = getattr(km, "_activity_stream", None)
+    if stream is not None and not stream.closed():
+        stream.close()
+    km._activity_stream = None
+    kernel_manager.start_watching_activity(km.kernel_id)
+    if getattr(km, "execution_state", None) == "starting":
+        km.execution_state = "idle"

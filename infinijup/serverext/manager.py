@@ -24,7 +24,7 @@ from .. import __version__, config, endpoints
 from ..engine import Head, SnapshotEngine, plan_snapshot
 from ..engine.heads import head_after_restore
 from ..engine.hot_tier import default_budget
-from ..engine.kernel_channel import run_agent, wait_answering
+from ..engine.kernel_channel import run_agent, wait_answering, watch_activity_anew
 from ..engine.naming import (
     DEFAULT_THREAD,
     check_thread_name,
@@ -654,7 +654,7 @@ class SnapshotManager(LoggingConfigurable):
                 adopted = await run_agent(km, adopt, self.busy_timeout, then_key=session_key)
                 km.session.key = session_key  # the kernel signs with it from now on
                 if retarget.saved_key is not None:
-                    self._watch_activity_anew(km)
+                    watch_activity_anew(self.kernel_manager, km)
                 if "error" in adopted:
                     raise RestoreFailed("the restored kernel could not take this session's "
                                         f"endpoints and key: {adopted['error']}")
@@ -683,17 +683,6 @@ class SnapshotManager(LoggingConfigurable):
                     gpu_arena.forget_go(token)
             self.hibernation.restore_ends(kernel_id)
             self._end(state)
-
-    def _watch_activity_anew(self, km) -> None:
-        """jupyter_server's activity stream closes on the first message it cannot verify (those
-        the restored kernel signed with its snapshot's key): watch the adopted kernel anew."""
-        stream = getattr(km, "_activity_stream", None)
-        if stream is not None and not stream.closed():
-            stream.close()
-        km._activity_stream = None
-        self.kernel_manager.start_watching_activity(km.kernel_id)
-        if getattr(km, "execution_state", None) == "starting":
-            km.execution_state = "idle"  # it answered, and nothing runs until the restore ends
 
     async def _wait_idle(self, km) -> None:
         deadline = time.monotonic() + self.busy_timeout
