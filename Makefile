@@ -122,6 +122,7 @@ helper-stop:
 # --- tests -------------------------------------------------------------------------------
 lint: $(STAMPS)/install
 	$(VENV)/bin/ruff check infinijup infinijup_helper tests bench
+	$(VENV)/bin/lint-imports
 	PATH=$(abspath $(VENV))/bin:$$PATH $(JLPM) lint:check
 	PATH=$(abspath $(VENV))/bin:$$PATH $(JLPM) typecheck
 

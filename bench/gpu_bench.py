@@ -55,9 +55,9 @@ from benchkit import (
 from jupyter_client import KernelManager
 
 from infinijup.engine import SnapshotEngine
-from infinijup.gpu import driver
 from infinijup.helper_client import HelperClient
 from infinijup.store import Repository
+from infinijup_helper import cuda_driver as driver
 from infinijup_helper.cuda_stage import cuda_pids
 
 
@@ -385,7 +385,7 @@ def llama_row(name: str, work: str, hot_tier_bytes: int | None, shm: Path,
         execute(kernel.kc, UNDO_SMALL_CHANGE, timeout=600)
 
         # Floors, on the same process in the same (released) state.
-        from infinijup.gpu import driver
+        from infinijup_helper import cuda_driver as driver
         from infinijup_helper.cuda_stage import cuda_pids
 
         cpids = cuda_pids(root)

@@ -30,6 +30,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "store")]
 from s3server import S3Server  # noqa: E402
 
 from infinijup.store import Repository  # noqa: E402
+from infinijup.store.check import check  # noqa: E402
 from infinijup.store.remote import pull, push  # noqa: E402
 from infinijup.store.s3 import S3Bucket  # noqa: E402
 
@@ -83,7 +84,7 @@ def main() -> None:
             b = Repository.init(root / "b")
             t_pull, r2 = timed(lambda: pull(b, url, "main"))
             t_down, _ = timed(lambda: plain.download("image", root / "image.copy"))
-            assert b.check().ok
+            assert check(b).ok
 
             data_rng = np.random.default_rng(1)
             with open(image / "pages.img", "r+b") as f:

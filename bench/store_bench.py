@@ -55,6 +55,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from infinijup.store import Repository  # noqa: E402
+from infinijup.store.checkout import checkout_dir  # noqa: E402
 from infinijup.store.chunking import (  # noqa: E402
     ChunkerParams,
     fastcdc_params,
@@ -367,7 +368,7 @@ def second_snapshots(store: Path, params: ChunkerParams, variants: dict[str, Pat
         row[v] = c.stats["stored_bytes"] / c.stats["image_bytes"]
     for v in TIMED:
         t = time.perf_counter()
-        repo.checkout_dir(commits[v], out)
+        checkout_dir(repo, commits[v], out)
         row[f"checkout {v}"] = mb_s(dir_bytes(out), time.perf_counter() - t)
         shutil.rmtree(out)
     repo.close()
@@ -390,7 +391,7 @@ def delta_speed(root: Path, params: ChunkerParams, variants: dict[str, Path], ru
                 if what == "ingest":
                     repo.commit_dir(variants["dirty-scattered"], thread="m")
                 else:
-                    repo.checkout_dir("m", root / "scheckout")
+                    checkout_dir(repo, "m", root / "scheckout")
                 out[(what, deltas)].append((time.perf_counter() - t, time.process_time() - cpu))
             shutil.rmtree(root / "scheckout")
             repo.close()
@@ -499,7 +500,7 @@ def main() -> int:
                             if cores == "all cores":
                                 out = root / "checkout"
                                 t = time.perf_counter()
-                                repo.checkout_dir(cid, out)
+                                checkout_dir(repo, cid, out)
                                 checkout_t[(img, cname, version)].append(
                                     time.perf_counter() - t)
                                 shutil.rmtree(out)

@@ -89,7 +89,7 @@ def child(gb: float) -> None:
 
 def driver_round(pid: int) -> tuple[float | None, float | None]:
     """The driver's lock + checkpoint of the process, then its restore + unlock: seconds."""
-    from infinijup.gpu import driver as cuda_driver
+    from infinijup_helper import cuda_driver
 
     try:
         t0 = time.perf_counter()

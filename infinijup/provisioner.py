@@ -36,9 +36,11 @@ class InfinijupProvisioner(LocalProvisioner):
     """Launches kernels through ``infinijup_helper`` and follows them across restores."""
 
     tracked: TrackedProcess | None = None
-    restoring: bool = False
     hibernated: bool = False  # no process, on purpose: the next request wakes it (hibernation.py)
     on_discard: Any = None  # called when a hibernated kernel is shut down (its record goes)
+    # Asks the kernel's lifecycle (engine/lifecycle.py) whether its process is away on purpose:
+    # hibernated, or being replaced by a restore (set by the snapshot manager)
+    away_on_purpose: Any = None
     log_path: str | None = None
     launches: int = 0  # +1 per launch: a restart gives the kernel a fresh state
 
@@ -46,7 +48,10 @@ class InfinijupProvisioner(LocalProvisioner):
     def has_process(self) -> bool:
         # A hibernated or restoring kernel counts as running: jupyter_client's restarter would
         # otherwise take it for dead and start a fresh one beside it.
-        return self.tracked is not None or self.hibernated or self.restoring
+        return self.tracked is not None or self.hibernated or self._away()
+
+    def _away(self) -> bool:
+        return self.away_on_purpose is not None and self.away_on_purpose()
 
     def helper(self) -> HelperClient:
         return HelperClient(config.helper_socket())
@@ -97,7 +102,6 @@ class InfinijupProvisioner(LocalProvisioner):
         self.tracked = TrackedProcess.attach(pid)
         self.pid = pid
         self.pgid = None
-        self.restoring = False
         self.hibernated = False
 
     @property
@@ -106,7 +110,7 @@ class InfinijupProvisioner(LocalProvisioner):
         return self.tracked.pid if self.tracked else None
 
     async def poll(self) -> int | None:
-        if self.restoring or self.hibernated:  # not dead: the restarter must leave it be
+        if self.hibernated or self._away():  # not dead: the restarter must leave it be
             return None
         if self.tracked is None:
             return 0

@@ -14,9 +14,8 @@ import os
 import time
 from typing import Any
 
-from infinijup.gpu import driver
-from infinijup.gpu.preflight import check, read_nvml
-
+from . import cuda_driver as driver
+from .cuda_preflight import check, read_nvml
 from .proc import read_proc, tree_members
 from .stages import StageBase
 
@@ -68,7 +67,7 @@ def gpu_summary(pids: list[int], seconds: dict[str, float]) -> dict[str, Any]:
         "pids": len(pids),
         "vram_bytes": usage,
         "phases": seconds,
-        "fingerprint": report.fingerprint.to_json(),
+        "fingerprint": report.fingerprint,
     }
 
 
@@ -105,7 +104,7 @@ class CudaSuspend(StageBase):
             "pids": len(pids),
             "vram_bytes": usage,
             "warnings": warnings,
-            "fingerprint": report.fingerprint.to_json(),
+            "fingerprint": report.fingerprint,
             "phases": {"checkpoint_s": time.monotonic() - t0},
         }
 

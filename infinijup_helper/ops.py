@@ -73,9 +73,9 @@ class Features:
     def detect(cls) -> Features:
         """CUDA stages only where the driver's checkpoint API is usable."""
         try:
-            from infinijup.gpu import driver
+            from . import cuda_driver
 
-            return cls(cuda=driver.available())
+            return cls(cuda=cuda_driver.available())
         except Exception:
             return cls(cuda=False)
 

@@ -7,14 +7,17 @@ copied to ``PREFIX`` (default ``/opt/infinijup/helper``), root-owned, directorie
 
     PREFIX/bin/infinijup-helper        the entry point (``python -I``, PREFIX/lib first)
     PREFIX/lib/infinijup_helper/       the helper (nsinit.py included: every tree runs a copy
-                                       the helper puts in its work dir)
-    PREFIX/lib/infinijup/{__init__,errors}.py, gpu/   what the helper's CUDA stage imports
+                                       the helper puts in its work dir; cuda_driver.py and
+                                       cuda_preflight.py for its CUDA stage)
     PREFIX/lib/google/protobuf/        pycriu's dependency (pycriu itself: the CRIU prefix)
     PREFIX/lib/cuda/, pynvml.py        the CUDA driver bindings, where installed (GPU machines)
 
 The interpreter is this venv's base interpreter if root owns it and nobody else can write it
 or any directory above it, else ``/usr/bin/python3``. Usage:
 ``python scripts/install_helper.py [--prefix DIR]`` (as root); prints the entry point.
+
+Only ``infinijup_helper/`` is copied of this checkout: the helper imports nothing of the
+``infinijup`` package (the user's side), so nothing of it is root's to run.
 """
 
 from __future__ import annotations
@@ -85,11 +88,6 @@ def install(prefix: Path) -> Path:
     lib = staging / "lib"
     lib.mkdir(mode=0o755)
     copy(REPO / "infinijup_helper", lib / "infinijup_helper")
-    (lib / "infinijup").mkdir(mode=0o755)
-    for name in ("__init__.py", "_version.py", "errors.py"):
-        if (REPO / "infinijup" / name).exists():
-            copy(REPO / "infinijup" / name, lib / "infinijup" / name)
-    copy(REPO / "infinijup" / "gpu", lib / "infinijup" / "gpu")
     protobuf = package_dir("google.protobuf")
     if protobuf is None:
         raise SystemExit("protobuf is not installed in this venv (pycriu needs it): make venv")

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ..errors import InfinijupError, PreflightRefused, RestoreFailed, SnapshotFailed
 from ..process import start_time
+from ..store import checkout as store_checkout
 from ..store.errors import RefConflict
 from ..store.faults import holdpoint
 from ..store.objects import Blob, File
@@ -360,7 +361,7 @@ class SnapshotEngine:
                 info.update(source="hot", checkout_s=time.perf_counter() - t0)
             return target
         try:
-            self.repo.checkout_dir(commit_id, target)
+            store_checkout.checkout_dir(self.repo, commit_id, target)
         except InfinijupError as exc:
             self._discard(target)
             # A commit that resolved but cannot be read back (a damaged or missing pack) is

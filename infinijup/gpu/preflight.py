@@ -1,7 +1,9 @@
-"""NVML preflight: can this process tree's GPU state be saved, and how much of it is there?
+"""NVML, for the server: this machine's GPUs and driver (the restore rules), and what GPU memory
+each process holds (making room on a GPU).
 
-Refuses, before anything is frozen, what the driver's checkpoint cannot carry: MIG instances,
-a driver older than 570, a process outside the tree sharing the tree's GPU memory through MPS.
+The helper's CUDA stage reads NVML itself and refuses there what the driver's checkpoint cannot
+carry (infinijup_helper/cuda_preflight.py: the helper imports nothing of this package); the
+fingerprint it puts into a commit is read back with fingerprint.py.
 """
 
 from __future__ import annotations
@@ -10,8 +12,6 @@ from dataclasses import dataclass, field
 
 from ..errors import PreflightRefused
 from .fingerprint import Fingerprint, GpuInfo
-
-MIN_DRIVER_MAJOR = 570
 
 
 @dataclass(frozen=True)
@@ -74,31 +74,3 @@ def read_nvml() -> GpuReport:
         return GpuReport(fingerprint=fp, processes=tuple(procs))
     finally:
         pynvml.nvmlShutdown()
-
-
-def check(report: GpuReport, tree_pids: set[int]) -> list[str]:
-    """Raise PreflightRefused for what cannot be saved; return warnings for what can."""
-    fp = report.fingerprint
-    try:
-        major = int(fp.driver_version.split(".")[0])
-    except ValueError:
-        major = 0
-    if major < MIN_DRIVER_MAJOR:
-        raise PreflightRefused(
-            f"NVIDIA driver {fp.driver_version or 'unknown'} has no process checkpoint API: "
-            f"upgrade to {MIN_DRIVER_MAJOR} or newer", reason="driver_too_old")
-    used = {p.gpu_uuid for p in report.processes if p.pid in tree_pids}
-    for g in fp.gpus:
-        if g.uuid in used and g.mig_enabled:
-            raise PreflightRefused(
-                f"GPU {g.index} ({g.name}) is in MIG mode: the driver cannot checkpoint MIG "
-                "instances; run the kernel on a GPU without MIG", reason="mig_unsupported")
-    if report.mps:
-        raise PreflightRefused("the kernel's GPU is shared through MPS, which the driver's "
-                               "checkpoint does not support", reason="mps_unsupported")
-    warnings = []
-    for p in report.processes:
-        if p.gpu_uuid in used and p.pid not in tree_pids:
-            warnings.append(f"process {p.pid} outside the kernel also uses GPU {p.gpu_uuid}; "
-                            "its memory is not part of the snapshot")
-    return warnings

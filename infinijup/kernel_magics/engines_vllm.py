@@ -1,8 +1,8 @@
 """vLLM engines in the kernel are parked for a snapshot through vLLM's own API (issue 17).
 
 Armed at kernel start (:func:`arm`), this does nothing until the user imports
-``vllm.v1.engine.async_llm``; then every ``AsyncLLM`` made in the kernel is registered with
-``engines.py``:
+``vllm.v1.engine.async_llm`` (after_import.py); then every ``AsyncLLM`` made in the kernel is
+registered with ``engines.py``:
 
 - pause: ``await llm.pause_generation(mode="keep", clear_cache=False)``: the scheduler stops at
   a step boundary and keeps its requests, running and waiting, with their KV cache; requests
@@ -33,13 +33,12 @@ test engine's stand-in of that API only (tests/kernel/test_engines.py); see docs
 from __future__ import annotations
 
 import asyncio
-import importlib.abc
 import inspect
-import sys
 import threading
 import weakref
 
 from . import engines
+from .after_import import after_import
 
 MODULE = "vllm.v1.engine.async_llm"
 PAUSE_TIMEOUT_S = 300.0
@@ -51,31 +50,7 @@ def arm() -> None:
     if _state["armed"]:
         return
     _state["armed"] = True
-    module = sys.modules.get(MODULE)
-    if module is not None:
-        hook_module(module)
-    else:
-        sys.meta_path.insert(0, _AfterImport())
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path=None, target=None):  # noqa: ANN001, ANN201
-        if fullname != MODULE:
-            return None
-        sys.meta_path.remove(self)
-        import importlib.util
-
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        loader, run = spec.loader, spec.loader.exec_module
-
-        def exec_module(module) -> None:  # noqa: ANN001
-            run(module)
-            hook_module(module)
-
-        loader.exec_module = exec_module
-        return spec
+    after_import(MODULE, hook_module)
 
 
 def hook_module(module: object) -> None:

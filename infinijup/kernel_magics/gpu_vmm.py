@@ -22,7 +22,6 @@ the kernel's environment; without it all of this stays off. The arena is
 from __future__ import annotations
 
 import fcntl
-import importlib.abc
 import json
 import os
 import sys
@@ -31,6 +30,7 @@ import uuid
 
 from ..gpu.arena import ROOT_ENV as ARENA_ROOT_ENV
 from ..gpu.arena import SEGMENTS
+from .after_import import after_import
 
 GO_TIMEOUT_S = 600.0
 _state: dict = {"armed": False, "installed": False, "why_not": None, "told": False,
@@ -58,33 +58,7 @@ def arm() -> None:
     if not os.path.exists(vmm.library_path()):
         _state["why_not"] = f"the VMM allocator library is not built ({vmm.library_path()})"
         return
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        _queue(torch)
-    else:
-        sys.meta_path.insert(0, _TorchImport())
-
-
-class _TorchImport(importlib.abc.MetaPathFinder):
-    """Once ``torch`` is imported, queue the install for its CUDA initialization."""
-
-    def find_spec(self, fullname, path=None, target=None):  # noqa: ANN001, ANN201
-        if fullname != "torch":
-            return None
-        sys.meta_path.remove(self)
-        import importlib.util
-
-        spec = importlib.util.find_spec("torch")
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        loader, run = spec.loader, spec.loader.exec_module
-
-        def exec_module(module) -> None:  # noqa: ANN001
-            run(module)
-            _queue(module)
-
-        loader.exec_module = exec_module
-        return spec
+    after_import("torch", _queue)  # at once if torch is imported already, else once it is
 
 
 def _queue(torch) -> None:  # noqa: ANN001

@@ -12,8 +12,10 @@ sends; the first one that is not a ``kernel_info_request`` wakes the kernel (``w
 held requests then go to it in the order they came. A wake that fails answers each held request
 with the reason; the kernel stays resting, and resumable from its snapshot.
 
-The manager (``manager.py``) owns snapshot and restore; this module decides when and keeps the
-states. Idle times come from jupyter_server's ``last_activity`` of each kernel.
+Snapshot and restore are ``snapshot_flow.py`` and ``restore_flow.py``; the kernel's state
+(released, hibernating, ...) and its allowed moves are the lifecycle's (engine/lifecycle.py);
+this module decides when to rest, keeps what a resting kernel needs (``Rest``) and the records.
+Idle times come from jupyter_server's ``last_activity`` of each kernel.
 """
 
 from __future__ import annotations
@@ -25,17 +27,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..engine.lifecycle import HIBERNATED, HIBERNATING, RELEASED, RELEASING, RUNNING, WAKING
 from ..errors import Conflict, InfinijupError, NotFound
 from ..gpu.room_plan import Candidate, margin_for, plan_room, release_refusal
-
-RELEASED, HIBERNATING, HIBERNATED, WAKING = "released", "hibernating", "hibernated", "waking"
+from .restore_flow import restore
+from .snapshot_flow import snapshot
 
 
 @dataclass
 class Rest:
-    """A kernel that is resting (or on its way into or out of rest)."""
+    """What a resting kernel (or one on its way into or out of rest) needs; its state is the
+    lifecycle's."""
 
-    state: str
     commit: str | None = None  # the snapshot a hibernated kernel wakes from
     since: float = field(default_factory=time.time)
     wake: asyncio.Future | None = None
@@ -46,11 +49,11 @@ class Rest:
 class Hibernation:
     def __init__(self, manager, records_dir: Path) -> None:
         self.manager = manager
+        self.lifecycle = manager.lifecycle
         self.records = records_dir
         self.rests: dict[str, Rest] = {}
         self.stopping = False  # the server is shutting its kernels down: keep their records
         self.listeners: dict[str, set] = {}  # kernel id -> websocket connections holding requests
-        self.restoring: set[str] = set()  # kernels being restored: their requests wait too
         # kernel id -> what it last answered to requests that need no computation
         # (websocket.resting_answer): a resting kernel answers them from here, asleep
         self.known: dict[str, dict[str, dict]] = {}
@@ -60,27 +63,16 @@ class Hibernation:
     def holds(self, kernel_id: str) -> bool:
         """Requests to this kernel wait (it rests, or is going to or coming out of rest, or a
         restore replaces its process: a cell must not run before its GPU memory is back)."""
-        return kernel_id in self.rests or kernel_id in self.restoring
-
-    def restore_begins(self, kernel_id: str) -> None:
-        self.restoring.add(kernel_id)
-
-    def restore_ends(self, kernel_id: str) -> None:
-        """The restore is over (done, or failed with a usable kernel): the requests held meanwhile
-        go on, unless the kernel still rests (a failed wake answers them with its reason)."""
-        self.restoring.discard(kernel_id)
-        if kernel_id not in self.rests:
-            self._notify(kernel_id)
+        return self.lifecycle.holds(kernel_id)
 
     def state(self, kernel_id: str) -> str:
-        rest = self.rests.get(kernel_id)
-        return rest.state if rest else "running"
+        return self.lifecycle.shown(kernel_id)
 
     async def claim_record(self, kernel_id: str) -> None:
         """A kernel's websocket opens: if its notebook was hibernated by an earlier server and
         this kernel is new (nothing snapshotted or restored in it yet), it stands in for that
         kernel: its first request wakes it from the record's snapshot."""
-        if kernel_id in self.rests or not self.records.is_dir():
+        if self.lifecycle.state(kernel_id) != RUNNING or not self.records.is_dir():
             return
         try:
             path = await self.manager.notebook_path(kernel_id)
@@ -91,7 +83,8 @@ class Hibernation:
         for record in self._records():
             if record.get("path") == path and record.get("kernel_id") != kernel_id and \
                     record.get("kernel_id") not in self.manager.kernel_ids():
-                self.rests[kernel_id] = Rest(HIBERNATED, commit=record["commit"],
+                self.lifecycle.stand_in_hibernated(kernel_id)
+                self.rests[kernel_id] = Rest(commit=record["commit"],
                                              since=record.get("since", time.time()))
                 self._move_record(record["kernel_id"], kernel_id, record)
                 self.manager.log.info("infinijup: kernel %s stands in for %s, hibernated at %s",
@@ -101,11 +94,12 @@ class Hibernation:
     def wake_soon(self, kernel_id: str) -> asyncio.Future:
         """Wake the kernel (once, however many ask); the future is done when it answers."""
         rest = self.rests.get(kernel_id)
-        if rest is None:
+        state = self.lifecycle.state(kernel_id)
+        if rest is None or state not in (RELEASING, RELEASED, HIBERNATING, HIBERNATED, WAKING):
             done = asyncio.get_running_loop().create_future()
             done.set_result(None)
             return done
-        if rest.state == HIBERNATING:  # wake it once it is in (or has given up)
+        if state in (HIBERNATING, RELEASING):  # wake it once it is in (or has given up)
             return asyncio.ensure_future(self._wake_after(kernel_id, rest))
         if rest.wake is None:
             rest.wake = asyncio.ensure_future(self._wake(kernel_id, rest))
@@ -115,7 +109,7 @@ class Hibernation:
         await rest.entered.wait()
         await self.wake_soon(kernel_id)
 
-    def _notify(self, kernel_id: str, error: str | None = None) -> None:
+    def notify(self, kernel_id: str, error: str | None = None) -> None:
         """Tell the connections holding requests for this kernel: send them on (it runs), or
         answer them with ``error`` (it could not wake)."""
         for conn in list(self.listeners.get(kernel_id, ())):
@@ -125,95 +119,103 @@ class Hibernation:
     async def hibernate(self, kernel_id: str, *, reason: str = "asked") -> dict:
         """Snapshot the kernel to the store, then end its process. Refused (409) while it
         runs a cell: a hibernation never interrupts one."""
-        km = self.manager.kernel(kernel_id)
-        prov = self.manager.provisioner(km)
-        rest = self.rests.get(kernel_id)
-        if rest is not None and rest.state == HIBERNATED:
-            return {"kernel_id": kernel_id, "state": HIBERNATED, "commit": rest.commit}
-        if rest is not None and rest.state != RELEASED:
-            raise Conflict(f"the kernel is {rest.state}", reason="kernel_" + rest.state)
-        await self.manager.wait_idle(km)  # 409 after busy_timeout: never interrupts a cell
-        if rest is not None:  # released: its GPU memory comes back first, then the snapshot
+        m = self.manager
+        km = m.kernel(kernel_id)
+        prov = m.provisioner(km)
+        state = self.lifecycle.state(kernel_id)
+        if state == HIBERNATED:
+            return {"kernel_id": kernel_id, "state": HIBERNATED,
+                    "commit": self.rests[kernel_id].commit}
+        if self.lifecycle.resting(kernel_id) and state != RELEASED:
+            raise Conflict(f"the kernel is {state}", reason="kernel_" + state)
+        await m.wait_idle(km)  # 409 after busy_timeout: never interrupts a cell
+        if state == RELEASED:  # its GPU memory comes back first, then the snapshot
             await self.wake_soon(kernel_id)
-        self.rests[kernel_id] = rest = Rest(HIBERNATING)
-        state = self.manager.event_state(kernel_id, "hibernate")
-        self.manager.event(state, "queued", kernel_state=HIBERNATING)
+        # requests from notebooks are held from now on (websocket.py): nothing runs between
+        # the snapshot and the end of the process
+        turn = await self.lifecycle.begin(kernel_id, HIBERNATING)
+        self.rests[kernel_id] = rest = Rest()
+        event = m.event_operation(kernel_id, "hibernate")
+        m.events.end(event, "queued", kernel_state=HIBERNATING)
         try:
-            # requests from notebooks are held from now on (websocket.py): nothing runs
-            # between the snapshot and the end of the process
-            snap = await self.manager.snapshot(kernel_id, message=f"hibernated ({reason})")
+            snap = await snapshot(m, kernel_id, message=f"hibernated ({reason})", within=turn)
             prov.hibernated = True
             prov.on_discard = lambda: self._discard(kernel_id)
             await prov.end_process()
-            rest.state, rest.commit, rest.since = HIBERNATED, snap["commit"], time.time()
+            rest.commit, rest.since = snap["commit"], time.time()
+            turn.to(HIBERNATED)
             self._write_record(kernel_id, {"kernel_id": kernel_id,
-                                           "path": await self.manager.notebook_path(kernel_id),
+                                           "path": await m.notebook_path(kernel_id),
                                            "commit": snap["commit"], "since": rest.since})
         except BaseException as exc:
             self.rests.pop(kernel_id, None)
             prov.hibernated = False
             rest.entered.set()
-            self._notify(kernel_id)  # requests held meanwhile go to the running kernel
-            self.manager.event(state, "error", kernel_state="running",
-                               message=getattr(exc, "message", str(exc)),
-                               reason=getattr(exc, "reason", "error"))
+            if turn.state == HIBERNATING:
+                turn.back()  # running: the requests held meanwhile go to it
+            m.events.failed(event, exc, kernel_state=RUNNING)
             raise
         rest.entered.set()
-        self.manager.event(state, "done", kernel_state=HIBERNATED, commit=snap["commit"])
+        m.events.end(event, "done", kernel_state=HIBERNATED, commit=snap["commit"])
         return {"kernel_id": kernel_id, "state": HIBERNATED, "commit": snap["commit"]}
 
     async def release(self, kernel_id: str) -> dict:
         """Move the kernel's VRAM to host memory; the process runs on without its GPUs."""
-        km = self.manager.kernel(kernel_id)
-        if kernel_id in self.rests:
-            return {"kernel_id": kernel_id, "state": self.rests[kernel_id].state}
-        await self.manager.wait_idle(km)
-        self.rests[kernel_id] = rest = Rest(RELEASED)
-        state = self.manager.event_state(kernel_id, "release")
+        m = self.manager
+        km = m.kernel(kernel_id)
+        if self.lifecycle.resting(kernel_id):
+            return {"kernel_id": kernel_id, "state": self.lifecycle.shown(kernel_id)}
+        await m.wait_idle(km)
+        turn = await self.lifecycle.begin(kernel_id, RELEASING)
+        self.rests[kernel_id] = rest = Rest()
+        event = m.event_operation(kernel_id, "release")
         try:
-            rest.vram = await self.manager.gpu_held(kernel_id)
+            rest.vram = await m.gpu_held(kernel_id)
             # its GPU memory goes to host memory: only if that holds it (room_plan.py)
-            available, total = self.manager.host_memory()
+            available, total = m.host_memory()
             why = release_refusal(rest.vram, await self._label(kernel_id), available,
                                   margin_for(total))
             if why is not None:
                 raise Conflict(why, reason="no_host_memory")
-            detail = await self.manager.release_gpu(kernel_id)
+            detail = await m.release_gpu(kernel_id)
         except BaseException as exc:
             self.rests.pop(kernel_id, None)
-            self._notify(kernel_id)
-            self.manager.event(state, "error", kernel_state="running",
-                               message=getattr(exc, "message", str(exc)),
-                               reason=getattr(exc, "reason", "error"))
+            rest.entered.set()
+            turn.back()  # running: the requests held meanwhile go to it
+            m.events.failed(event, exc, kernel_state=RUNNING)
             raise
+        turn.to(RELEASED)
         rest.entered.set()
         rest.since = time.time()
-        self.manager.event(state, "done", kernel_state=RELEASED)
+        m.events.end(event, "done", kernel_state=RELEASED)
         return {"kernel_id": kernel_id, "state": RELEASED, "gpu": detail}
 
     async def _wake(self, kernel_id: str, rest: Rest) -> None:
-        before = rest.state
-        rest.state = WAKING
-        state = self.manager.event_state(kernel_id, "wake")
-        self.manager.event(state, "queued", kernel_state=WAKING)
+        m = self.manager
+        before = self.lifecycle.state(kernel_id)
+        turn = await self.lifecycle.begin(kernel_id, WAKING)
+        event = m.event_operation(kernel_id, "wake")
+        m.events.end(event, "queued", kernel_state=WAKING)
         t0 = time.perf_counter()
         try:
             if before == RELEASED:
                 await self._make_room(kernel_id, rest.vram)
-                await self.manager.reacquire_gpu(kernel_id)
-            else:
-                await self.manager.wake_from(kernel_id, rest.commit)
+                await m.reacquire_gpu(kernel_id)
+            else:  # from its snapshot, in its own session
+                await restore(m, kernel_id, rest.commit, within=turn)
         except BaseException as exc:
-            rest.state, rest.wake = before, None  # still resting, still resumable
+            rest.wake = None
+            if turn.state == WAKING:
+                turn.to(before)  # still resting, still resumable
             message = getattr(exc, "message", str(exc))
-            self._notify(kernel_id, error=f"the kernel could not wake: {message} (it is still "
-                                          f"{before}; run the cell again to retry)")
-            self.manager.event(state, "error", kernel_state=before, message=message,
-                               reason=getattr(exc, "reason", "error"))
+            self.notify(kernel_id, error=f"the kernel could not wake: {message} (it is still "
+                                         f"{before}; run the cell again to retry)")
+            m.events.failed(event, exc, kernel_state=before)
             raise
         self.restored(kernel_id)
-        self.manager.event(state, "done", kernel_state="running", commit=rest.commit,
-                           message=f"awake in {time.perf_counter() - t0:.2f} s")
+        turn.to(RUNNING)  # the requests held meanwhile go on now
+        m.events.end(event, "done", kernel_state=RUNNING, commit=rest.commit,
+                     message=f"awake in {time.perf_counter() - t0:.2f} s")
 
     async def _make_room(self, kernel_id: str, need: dict[str, int]) -> None:
         """Before a released kernel takes its GPU memory back: release the least recently
@@ -229,7 +231,7 @@ class Hibernation:
         candidates = [Candidate(other, await self._label(other),
                                 await self.manager.gpu_held(other))
                       for other, _idle_s in idle
-                      if other != kernel_id and other not in self.rests]
+                      if other != kernel_id and not self.lifecycle.resting(other)]
         available, total = self.manager.host_memory()
         plan = plan_room(need, free, candidates, available, margin_for(total))
         if plan.refusal is not None:
@@ -247,27 +249,23 @@ class Hibernation:
 
     def restored(self, kernel_id: str) -> None:
         """A restore gave the kernel a process again and it answers (a wake, or a restore the
-        user asked for): it rests no more; the requests held for it go on now."""
-        rest = self.rests.get(kernel_id)
-        if rest is not None and rest.state in (HIBERNATED, WAKING):
-            self.rests.pop(kernel_id, None)
+        user asked for): it rests no more (the lifecycle's move to running lets the requests
+        held for it go on)."""
+        if self.rests.pop(kernel_id, None) is not None:
             self._remove_record(kernel_id)
-            self._notify(kernel_id)
 
     def _discard(self, kernel_id: str) -> None:
         """A hibernated kernel was shut down (or restarted): by its user, its record goes;
         by a server that is stopping, it stays for the next server."""
         self.rests.pop(kernel_id, None)
+        self.lifecycle.forget(kernel_id)
         if not self.stopping:
             self._remove_record(kernel_id)
-        self._notify(kernel_id, error="the kernel was shut down while it was hibernated")
+        self.notify(kernel_id, error="the kernel was shut down while it was hibernated")
 
     async def hibernate_all(self) -> None:
         """The server stops: hibernate each idle kernel (a busy one is not waited for)."""
         for kernel_id, _idle_s in self.manager.idle_kernels(time.time()):
-            rest = self.rests.get(kernel_id)
-            if rest is not None and rest.state != RELEASED:
-                continue
             try:
                 await self.hibernate(kernel_id, reason="server stopping")
             except Exception as exc:
@@ -301,12 +299,11 @@ class Hibernation:
         release_after = self.manager.gpu_release_after
         hibernate_after = self.manager.hibernate_after
         for kernel_id, idle_s in self.manager.idle_kernels(now):
-            rest = self.rests.get(kernel_id)
+            state = self.lifecycle.state(kernel_id)  # running or released (idle_kernels)
             try:
-                if hibernate_after > 0 and idle_s >= hibernate_after and \
-                        (rest is None or rest.state == RELEASED):
+                if hibernate_after > 0 and idle_s >= hibernate_after:
                     await self.hibernate(kernel_id, reason=f"idle {idle_s:.0f} s")
-                elif release_after > 0 and idle_s >= release_after and rest is None and \
+                elif release_after > 0 and idle_s >= release_after and state == RUNNING and \
                         self.manager.uses_gpu(kernel_id):
                     await self.release(kernel_id)
             except InfinijupError as exc:

@@ -91,12 +91,12 @@ class RemoteTier:
             return None
         return {**self.sync.status(), "head_pushed": self.sync.is_pushed(head_commit)}
 
-    async def images(self, state: dict, engine, commit_id: str, source: dict) -> Path:  # noqa: ANN001
+    async def images(self, state, engine, commit_id: str, source: dict) -> Path:  # noqa: ANN001 - state: the Operation
         """``engine.materialize`` for a restore, pulling a remote-only commit first (unless
         the hot tier holds its images); ``source["pulled"]`` says what moved."""
         m = self.manager
         repo = m.repo()
-        report = m._progress(state)
+        report = m.events.progress(state)
 
         def progress(done: int, total: int, nbytes: int) -> None:
             report("store", {"percent": 10 + 40 * done / max(total, 1),
@@ -146,6 +146,6 @@ class RemoteTier:
         """Commits evicted last: the heads of this server's kernels and the snapshots that
         hibernated kernels wake from (called in the sync thread: copies, no awaits)."""
         m = self.manager
-        out = {h.commit for h in list(m._heads.values()) if h.commit}
+        out = m.heads.commits()
         out |= {r.commit for r in list(m.hibernation.rests.values()) if r.commit}
         return out

@@ -8,14 +8,18 @@ Typical use::
 
     repo = Repository.open_or_init(default_store_path())
     c = repo.commit_dir(image_dir, thread="main", metadata={"notebook_path": "a.ipynb"})
-    repo.checkout_dir(c.id, restore_dir)
+    checkout_dir(repo, c.id, restore_dir)  # from infinijup.store.checkout import checkout_dir
+
+Maintenance is functions over a repository, each in its module: ``check.check(repo)``,
+``gc.gc(repo)``, ``rebuild.rebuild_index(repo)`` (repository.py's docs say why).
 """
 
 from .check import CheckReport
 from .chunking import ChunkerParams
+from .config import StoreConfig
 from .gc import GcReport
 from .objects import Blob, Commit, File, Symlink, TreeEntry
-from .repository import UNSET, Repository, StoreConfig, default_store_path
+from .repository import UNSET, Repository, default_store_path
 from .writer import Dir, Writer
 
 __all__ = [

@@ -35,7 +35,7 @@ from .packs import DELTA
 
 if TYPE_CHECKING:
     from .reader import ObjectReader
-    from .repository import Repository
+    from .repo_view import RepoView
 
 NEIGHBOURS = 8  # chunks looked at on each side of a new chunk for an unchanged one
 _ZERO_PAGE = bytes(PAGE)
@@ -54,7 +54,7 @@ class BaseMap:
     looks a chunk up twice) and the counters are approximate.
     """
 
-    def __init__(self, repo: Repository, reader: ObjectReader, ids: list[bytes]) -> None:
+    def __init__(self, repo: RepoView, reader: ObjectReader, ids: list[bytes]) -> None:
         self.repo = repo
         self.reader = reader
         self.ids = ids
@@ -72,7 +72,7 @@ class BaseMap:
         self.skipped = 0
 
     @classmethod
-    def build(cls, repo: Repository, reader: ObjectReader, blob_id: str) -> BaseMap | None:
+    def build(cls, repo: RepoView, reader: ObjectReader, blob_id: str) -> BaseMap | None:
         """The map of the stored file ``blob_id``, or None if it cannot be read."""
         try:
             _size, ids = repo.get_blob_chunks(blob_id)

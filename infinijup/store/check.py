@@ -1,4 +1,4 @@
-"""``check``: verify a store end to end, and ``rebuild_index``.
+"""``check(repo)``: verify a store end to end (rebuild.py rebuilds its index).
 
 check walks refs -> commits -> trees -> blobs -> chunks (-> the sources of page-delta
 chunks) and compares the index with every pack header. With ``read_data`` it also reads
@@ -15,22 +15,20 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import layout
 from .errors import (
     ChecksumMismatch,
     CorruptObject,
-    CorruptPack,
     IndexCorrupt,
     ObjectMissing,
     StoreError,
 )
 from .index import Location
 from .lock import FileLock
-from .objects import Commit, decode_commit, hash_bytes
-from .packs import DELTA, PackEntry, decode_payload, read_pack_header
+from .objects import Commit
+from .packs import DELTA, PackEntry, decode_payload
 from .reader import ObjectReader
 from .remote_only import remote_only
 
@@ -40,7 +38,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class CheckReport:
-    """Result of ``Repository.check``."""
+    """Result of ``check``."""
 
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -56,31 +54,6 @@ class CheckReport:
     def ok(self) -> bool:
         """True when no problem was found (warnings do not count)."""
         return not self.problems
-
-
-def read_packs(repo: Repository) -> tuple[dict[str, list[PackEntry]], list[str]]:
-    """Parse every pack header on disk: (name -> entries, problems)."""
-    packs: dict[str, list[PackEntry]] = {}
-    problems: list[str] = []
-    for name, path in layout.pack_files(repo).items():
-        try:
-            header, entries = read_pack_header(path)
-        except CorruptPack as exc:
-            problems.append(str(exc))
-            continue
-        if hash_bytes(header).hex() != name:
-            problems.append(f"pack {name}: name does not match its header")
-            continue
-        packs[name] = entries
-    return packs, problems
-
-
-def load_commit_file(commit_id: str, path: Path) -> Commit:
-    """Read and verify one commit file."""
-    body = path.read_bytes()
-    if hash_bytes(body).hex() != commit_id:
-        raise ChecksumMismatch(f"commit {commit_id}: checksum mismatch")
-    return decode_commit(commit_id, body)
 
 
 def check(repo: Repository, *, read_data: bool = False) -> CheckReport:
@@ -109,7 +82,7 @@ class _Checker:
 
     def _run(self, read_data: bool) -> CheckReport:
         repo = self.repo
-        packs, pack_problems = read_packs(repo)
+        packs, pack_problems = layout.read_packs(repo)
         self.problems += pack_problems
         try:
             self._check_index(packs)
@@ -157,7 +130,7 @@ class _Checker:
         commits: dict[str, Commit] = {}
         for cid, path in files.items():
             try:
-                commits[cid] = load_commit_file(cid, path)
+                commits[cid] = layout.load_commit_file(cid, path)
             except (StoreError, OSError) as exc:
                 self.problems.append(f"commit {cid}: {exc}")
         indexed = set(repo.index.commit_ids())
@@ -300,31 +273,3 @@ class _Checker:
             for found, count in pool.map(verify, sorted(packs)):
                 self.problems += found
                 self.objects_read += count
-
-
-def rebuild_index(repo: Repository) -> dict[str, int]:
-    """Recreate the index from pack headers and commit files under the exclusive lock."""
-    with FileLock(repo.lock_path, timeout=repo.lock_timeout):
-        try:
-            index = repo.index
-        except IndexCorrupt:
-            repo.close()
-            for suffix in ("", "-wal", "-shm"):
-                Path(str(repo.index_path) + suffix).unlink(missing_ok=True)
-            index = repo.index
-        packs, pack_problems = read_packs(repo)
-        files = layout.pack_files(repo)
-        pack_rows = [(name, files[name].stat().st_size, entries) for name, entries in packs.items()]
-        commits = []
-        skipped_commits = 0
-        for cid, path in layout.commit_files(repo).items():
-            try:
-                commit = load_commit_file(cid, path)
-            except (StoreError, OSError):
-                skipped_commits += 1
-                continue
-            commits.append((commit, path.read_bytes()))
-        index.replace_all(pack_rows, commits)
-        return {"packs": len(pack_rows), "objects": sum(len(e) for _, _, e in pack_rows),
-                "commits": len(commits), "skipped_packs": len(pack_problems),
-                "skipped_commits": skipped_commits}

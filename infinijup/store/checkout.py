@@ -1,4 +1,5 @@
-"""Materializing stored trees on disk, reading and verifying chunks on all cores.
+"""``checkout_dir(repo, ref, path)``: materializing stored trees on disk, reading and
+verifying chunks on all cores.
 
 A file's chunks are planned into *runs*: consecutive chunks of the file that also lie back to
 back in one pack (the usual case: ingest appends a stream's new chunks in order). A worker
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import array
 import os
+import secrets
+import shutil
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,9 +31,9 @@ import zstandard
 
 from . import delta
 from .chunking import PAGE
-from .errors import ChecksumMismatch, CorruptObject, ObjectMissing
+from .errors import CheckoutTargetNotEmpty, ChecksumMismatch, CorruptObject, ObjectMissing
 from .index import Location
-from .objects import CHUNK, TreeEntry, hash_bytes
+from .objects import CHUNK, Commit, TreeEntry, hash_bytes
 from .packs import DELTA, ZSTD, pack_path, pwritev_all
 from .reader import ObjectReader
 from .writer import default_threads
@@ -49,6 +52,33 @@ DECOMPRESS_GROUP = 128 << 10
 #: One run: (pack, offset in the pack, stored bytes, offset in the file, chunks as
 #: (id, stored length, raw length, compression)).
 Run = tuple[str, int, int, int, list[tuple[bytes, int, int, int]]]
+
+
+def checkout_dir(repo: Repository, ref: str, path: str | os.PathLike[str], *,
+                 threads: int | None = None) -> Commit:
+    """Materialize the tree of ``ref`` at ``path`` (absent or an empty directory).
+
+    Files get their recorded modes; runs of zero pages become holes. The tree is built
+    in a hidden sibling directory and renamed into place, so ``path`` never holds a
+    partial checkout.
+    """
+    commit = repo.get_commit(ref)
+    target = Path(path)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise CheckoutTargetNotEmpty(f"{target} exists and is not an empty directory")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.checkout-{secrets.token_hex(4)}"
+    os.mkdir(tmp, 0o700)
+    try:
+        with Materializer(repo, threads=threads) as m:
+            m.tree(commit.tree, tmp)
+        if target.exists():
+            os.rmdir(target)
+        os.rename(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return commit
 
 
 class Materializer:

@@ -19,7 +19,10 @@ from typing import Any
 
 from infinijup.errors import InfinijupError
 
+from .check import check
+from .gc import gc
 from .objects import Commit
+from .rebuild import rebuild_index
 from .remote_only import remote_only
 from .repository import Repository, default_store_path
 
@@ -174,7 +177,7 @@ def _print_tree(repo: Repository, tree_id: str, indent: str) -> None:
 
 
 def _check(repo: Repository, args: argparse.Namespace) -> int:
-    report = repo.check(read_data=args.read_data)
+    report = check(repo, read_data=args.read_data)
     for w in report.warnings:
         print(f"warning: {w}")
     for p in report.problems:
@@ -190,7 +193,7 @@ def _check(repo: Repository, args: argparse.Namespace) -> int:
 
 
 def _gc(repo: Repository, args: argparse.Namespace) -> int:
-    r = repo.gc(dry_run=args.dry_run)
+    r = gc(repo, dry_run=args.dry_run)
     verb = "would remove" if r.dry_run else "removed"
     print(f"{verb} {len(r.commits_removed)} commits, {r.objects_removed} objects, "
           f"{len(r.packs_deleted)} packs; repacked {len(r.packs_repacked)} packs; "
@@ -207,7 +210,7 @@ def _stats(repo: Repository, args: argparse.Namespace) -> int:
 
 
 def _rebuild(repo: Repository, args: argparse.Namespace) -> int:
-    r = repo.rebuild_index()
+    r = rebuild_index(repo)
     print(f"indexed {r['packs']} packs ({r['objects']} objects) and {r['commits']} commits; "
           f"skipped {r['skipped_packs']} damaged packs, {r['skipped_commits']} damaged commits")
     return 0

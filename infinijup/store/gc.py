@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from . import fsutil, layout
-from .check import load_commit_file
 from .errors import StoreError
 from .faults import crashpoint
 from .lock import FileLock
@@ -59,7 +58,9 @@ def gc(repo: Repository, *, dry_run: bool = False) -> GcReport:
             return GcReport(True, sorted(plan.garbage_commits), sorted(plan.delete),
                             sorted(plan.repack), [], plan.objects_removed, plan.bytes_freed,
                             len(plan.orphans) + len(plan.tmp))
-        return _execute(repo, plan)
+        report = _execute(repo, plan)
+    repo.index.truncate_journal()  # shrink the WAL after the rows removed (lock released)
+    return report
 
 
 @dataclass
@@ -84,7 +85,7 @@ def _plan(repo: Repository) -> _Plan:
             continue
         if cid not in files:
             raise StoreError(f"gc refused: commit {cid} is missing (run check)")
-        reachable[cid] = load_commit_file(cid, files[cid])
+        reachable[cid] = layout.load_commit_file(cid, files[cid])
         stack.extend(reachable[cid].parents)
     live: set[bytes] = set()
     elsewhere = remote_only(repo)

@@ -1,7 +1,7 @@
 """The SQLite index: where each object lives, and what each commit says.
 
 The index is a cache. Everything in it is derived from pack headers and commit files and can
-be rebuilt (``Repository.rebuild_index``); the thread refs live in ``refs/`` files, not
+be rebuilt (``rebuild.rebuild_index``); the thread refs live in ``refs/`` files, not
 here. It runs in WAL mode so readers never block the one writer, with a busy timeout so
 concurrent processes queue rather than fail.
 

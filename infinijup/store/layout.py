@@ -1,31 +1,58 @@
-"""Listing what is on disk in a store (shared by check, gc and rebuild-index)."""
+"""Listing and reading what is on disk in a store (shared by check, gc and rebuild)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .objects import is_hex_id
+from .errors import ChecksumMismatch, CorruptPack
+from .objects import Commit, decode_commit, hash_bytes, is_hex_id
+from .packs import PackEntry, read_pack_header
 
 if TYPE_CHECKING:
-    from .repository import Repository
+    from .repo_view import RepoView
 
 
-def pack_files(repo: Repository) -> dict[str, Path]:
+def pack_files(repo: RepoView) -> dict[str, Path]:
     """Every pack file: name -> path."""
     return _fanout(repo.packs_dir)
 
 
-def commit_files(repo: Repository) -> dict[str, Path]:
+def commit_files(repo: RepoView) -> dict[str, Path]:
     """Every commit file: id -> path."""
     return _fanout(repo.commits_dir)
 
 
-def tmp_files(repo: Repository) -> list[Path]:
+def tmp_files(repo: RepoView) -> list[Path]:
     """Leftovers in tmp/ (packs and ref/commit temp files of interrupted writes)."""
     if not repo.tmp_dir.is_dir():
         return []
     return sorted(p for p in repo.tmp_dir.iterdir() if p.is_file())
+
+
+def read_packs(repo: RepoView) -> tuple[dict[str, list[PackEntry]], list[str]]:
+    """Parse every pack header on disk: (name -> entries, problems)."""
+    packs: dict[str, list[PackEntry]] = {}
+    problems: list[str] = []
+    for name, path in pack_files(repo).items():
+        try:
+            header, entries = read_pack_header(path)
+        except CorruptPack as exc:
+            problems.append(str(exc))
+            continue
+        if hash_bytes(header).hex() != name:
+            problems.append(f"pack {name}: name does not match its header")
+            continue
+        packs[name] = entries
+    return packs, problems
+
+
+def load_commit_file(commit_id: str, path: Path) -> Commit:
+    """Read and verify one commit file."""
+    body = path.read_bytes()
+    if hash_bytes(body).hex() != commit_id:
+        raise ChecksumMismatch(f"commit {commit_id}: checksum mismatch")
+    return decode_commit(commit_id, body)
 
 
 def _fanout(root: Path) -> dict[str, Path]:

@@ -24,7 +24,7 @@ from .objects import hash_bytes
 from .packs import DELTA, decode_payload, decompress_payload, pack_path
 
 if TYPE_CHECKING:
-    from .repository import Repository
+    from .repo_view import RepoView
 
 #: Sources are stored whole, so a delta needs one level; more only after an index rebuild
 #: chose odd duplicates. The bound stops a damaged store from recursing without end.
@@ -34,7 +34,7 @@ MAX_DEPTH = 4
 class ObjectReader:
     """Verified object reads from one store's packs (thread-safe)."""
 
-    def __init__(self, repo: Repository) -> None:
+    def __init__(self, repo: RepoView) -> None:
         self.repo = repo
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()

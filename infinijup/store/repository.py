@@ -18,29 +18,34 @@ Format versions: 1 (no page deltas) and 2 (chunks may be stored as page deltas o
 chunks, delta.py). Both are read; the first writer of a version-1 store upgrades its config
 to 2 (code that reads only version 1 then refuses the store with UnsupportedFormat instead
 of misreading it).
+
+Writing, reading and threads are methods here. Checking out (checkout.py), verifying
+(check.py), collecting garbage (gc.py) and rebuilding the index (rebuild.py) are functions
+over a Repository (``checkout_dir(repo, ref, path)``, ``check(repo)``, ``gc(repo)``,
+``rebuild_index(repo)``); this module imports none of them but rebuild.py, and the modules
+it does import (reader, writer, rebuild, ...) see a repository as a ``repo_view.RepoView``,
+so there is no import cycle in the store.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import secrets
-import shutil
 import threading
 import time
 import urllib.parse
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import fsutil
 from .chunking import ChunkerParams, make_chunker
+from .config import VERSION, StoreConfig
 from .errors import (
     AmbiguousRef,
-    CheckoutTargetNotEmpty,
     ChecksumMismatch,
     CorruptObject,
     InvalidRef,
@@ -51,7 +56,6 @@ from .errors import (
     StoreExists,
     StoreNotFound,
     UnknownRef,
-    UnsupportedFormat,
 )
 from .faults import crashpoint
 from .index import Index
@@ -72,17 +76,10 @@ from .objects import (
 )
 from .packs import DELTA
 from .reader import ObjectReader
+from .rebuild import rebuild_index
 from .writer import Dir, Writer, entries_from_dir
 
-if TYPE_CHECKING:
-    from .check import CheckReport
-    from .gc import GcReport
-
-FORMAT = "infinijup-store"
-VERSION = 2
-READABLE_VERSIONS = (1, 2)
 MIN_PREFIX = 8
-MAX_PACK = 512 << 20
 _HEX = frozenset("0123456789abcdef")
 
 
@@ -101,59 +98,6 @@ def default_store_path() -> Path:
     if env:
         return Path(env).expanduser()
     return Path.home() / ".local" / "share" / "infinijup" / "store"
-
-
-@dataclass(frozen=True)
-class StoreConfig:
-    """The parameters fixed when a store is created (the ``config`` file)."""
-
-    id: str
-    chunker: ChunkerParams
-    compression_level: int = 1
-    min_saving: float = 0.05
-    pack_size: int = 128 << 20
-    version: int = VERSION
-    page_deltas: bool = True  # store changed chunks as page deltas (version 2 only)
-
-    def to_json(self) -> bytes:
-        """Encoding of the config file (always the current version)."""
-        return json.dumps({
-            "format": FORMAT, "version": VERSION, "id": self.id,
-            "chunker": self.chunker.to_dict(),
-            "compression": {"algorithm": "zstd", "level": self.compression_level,
-                            "min_saving": self.min_saving},
-            "pack_size": self.pack_size,
-            "page_deltas": self.page_deltas,
-        }, indent=2, sort_keys=True).encode() + b"\n"
-
-    @classmethod
-    def from_json(cls, data: bytes) -> StoreConfig:
-        """Parse and validate a config file."""
-        try:
-            obj = json.loads(data)
-            if obj.get("format") != FORMAT:
-                raise UnsupportedFormat("not an infinijup store config")
-            version = obj.get("version")
-            if version not in READABLE_VERSIONS or isinstance(version, bool):
-                raise UnsupportedFormat(
-                    f"store format version {version!r} is not supported "
-                    f"(this code reads versions {', '.join(map(str, READABLE_VERSIONS))})")
-            comp = obj["compression"]
-            if comp.get("algorithm") != "zstd":
-                raise UnsupportedFormat(f"unknown compression {comp.get('algorithm')!r}")
-            deltas = obj.get("page_deltas", False) if version >= 2 else False
-            if not isinstance(deltas, bool):
-                raise UnsupportedFormat("page_deltas must be true or false")
-            cfg = cls(str(obj["id"]), ChunkerParams.from_dict(obj["chunker"]),
-                      int(comp["level"]), float(comp["min_saving"]), int(obj["pack_size"]),
-                      version, deltas)
-        except UnsupportedFormat:
-            raise
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise UnsupportedFormat(f"store config is malformed: {exc}") from exc
-        if not (0 < cfg.pack_size <= MAX_PACK):
-            raise UnsupportedFormat(f"pack_size must be in (0, {MAX_PACK}]")
-        return cfg
 
 
 class Repository:
@@ -227,7 +171,7 @@ class Repository:
             raise StoreNotFound(f"no infinijup store at {root}") from None
         repo = cls(root, StoreConfig.from_json(data), lock_timeout=lock_timeout)
         if not repo.index_path.exists():
-            repo.rebuild_index()
+            rebuild_index(repo)
         return repo
 
     @classmethod
@@ -396,7 +340,7 @@ class Repository:
         return decode_blob(self.read_object(bytes.fromhex(blob_id)))
 
     def read_blob(self, blob_id: str) -> bytes:
-        """The whole content of a blob (for small files; use checkout_dir for images)."""
+        """The whole content of a blob (for small files; use checkout.checkout_dir for images)."""
         size, chunks = self.get_blob_chunks(blob_id)
         data = b"".join(self.read_object(c) for c in chunks)
         if len(data) != size:
@@ -532,54 +476,7 @@ class Repository:
         fsutil.atomic_write(self._ref_path(name), (commit_id + "\n").encode(),
                             tmp_dir=self.tmp_dir)
 
-    # -- checkout --------------------------------------------------------------------------
-
-    def checkout_dir(self, ref: str, path: str | os.PathLike[str], *,
-                     threads: int | None = None) -> Commit:
-        """Materialize the tree of ``ref`` at ``path`` (absent or an empty directory).
-
-        Files get their recorded modes; runs of zero pages become holes. The tree is built
-        in a hidden sibling directory and renamed into place, so ``path`` never holds a
-        partial checkout.
-        """
-        commit = self.get_commit(ref)
-        target = Path(path)
-        if target.exists() and (not target.is_dir() or any(target.iterdir())):
-            raise CheckoutTargetNotEmpty(f"{target} exists and is not an empty directory")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.parent / f".{target.name}.checkout-{secrets.token_hex(4)}"
-        os.mkdir(tmp, 0o700)
-        from .checkout import Materializer
-        try:
-            with Materializer(self, threads=threads) as m:
-                m.tree(commit.tree, tmp)
-            if target.exists():
-                os.rmdir(target)
-            os.rename(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return commit
-
-    # -- maintenance -----------------------------------------------------------------------
-
-    def check(self, read_data: bool = False) -> CheckReport:
-        """Verify the store; see check.py. Returns a CheckReport (``.ok``, ``.problems``)."""
-        from .check import check
-        return check(self, read_data=read_data)
-
-    def gc(self, dry_run: bool = False) -> GcReport:
-        """Remove what no thread reaches; see gc.py. Returns a GcReport."""
-        from .gc import gc
-        report = gc(self, dry_run=dry_run)
-        if not dry_run:
-            self.index.truncate_journal()
-        return report
-
-    def rebuild_index(self) -> dict[str, int]:
-        """Rebuild the index from pack headers and commit files (exclusive lock)."""
-        from .check import rebuild_index
-        return rebuild_index(self)
+    # -- maintenance (see the module docs for checkout, check, gc and rebuild_index) ------
 
     def stats(self) -> dict[str, Any]:
         """Sizes and counts: commits, threads, packs, objects, logical vs stored bytes."""

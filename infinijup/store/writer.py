@@ -75,7 +75,7 @@ from .reader import ObjectReader
 
 if TYPE_CHECKING:
     from .objects import Commit
-    from .repository import Repository
+    from .repo_view import RepoView
 
 BLOCK = 8 << 20  # read size; a multiple of the page size
 BATCH = 4 << 20  # bytes of chunks per hashing/compression job
@@ -132,7 +132,7 @@ class WriteStats:
 class Writer:
     """Adds file contents and trees to the store; see module docs. Use as a context manager."""
 
-    def __init__(self, repo: Repository, *, threads: int | None = None) -> None:
+    def __init__(self, repo: RepoView, *, threads: int | None = None) -> None:
         self.repo = repo
         self.threads = max(1, threads or default_threads())
         self.stats = WriteStats()

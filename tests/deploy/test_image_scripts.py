@@ -297,6 +297,7 @@ def _commit(repo, tmp: Path, thread: str, seed: int) -> str:
 def test_a_home_without_a_store_gets_it_back_from_the_remote(
         s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from infinijup.store import Repository
+    from infinijup.store.check import check
     from infinijup.store.remote import push
 
     bucket = "ij-deploy-restore"
@@ -324,7 +325,7 @@ def test_a_home_without_a_store_gets_it_back_from_the_remote(
     assert "cloned 2 threads" in done.stderr
     b = Repository.open(store)
     assert b.threads() == tips
-    assert not b.check(read_data=True).problems
+    assert not check(b, read_data=True).problems
     b.close()
     assert not store.with_name("store.cloning").exists()
 
@@ -337,6 +338,7 @@ def test_a_home_without_a_store_gets_it_back_from_the_remote(
 def test_a_clone_cut_short_is_finished_on_the_next_start(s3: S3Server, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     from infinijup.store import Repository
+    from infinijup.store.check import check
     from infinijup.store.remote import pull, push
 
     bucket = "ij-deploy-resume"
@@ -364,7 +366,7 @@ def test_a_clone_cut_short_is_finished_on_the_next_start(s3: S3Server, tmp_path:
     assert said.startswith("cloned 2 threads"), said
     repo = Repository.open(store)
     assert repo.threads() == tips
-    assert not repo.check(read_data=True).problems
+    assert not check(repo, read_data=True).problems
     repo.close()
     assert not store.with_name("store.cloning").exists()
 

@@ -1,18 +1,26 @@
 """CPU-only parts of the GPU stage: fingerprint rules, preflight decisions, unwinding.
 
 The driver calls are replaced by a recording fake only to isolate the unwinding logic; the
-real driver path runs on the GPU machine (tests/gpu/test_gpu_kernel.py)."""
+real driver path runs on the GPU machine (tests/gpu/test_gpu_kernel.py). The preflight and the
+driver calls are the helper's (infinijup_helper/cuda_preflight.py, cuda_driver.py); the
+fingerprint rules and the restore plan are the server's (infinijup/gpu)."""
 
 from __future__ import annotations
 
 import json
+import sys
+import types
+from types import SimpleNamespace
 
 import pytest
 
 from infinijup.errors import PreflightRefused
-from infinijup.gpu import driver
+from infinijup.gpu import preflight
 from infinijup.gpu.fingerprint import Fingerprint, GpuInfo, mismatches, remap
-from infinijup.gpu.preflight import GpuProcess, GpuReport, check
+from infinijup.gpu.preflight import GpuReport
+from infinijup_helper import cuda_driver as driver
+from infinijup_helper import cuda_preflight
+from infinijup_helper.cuda_preflight import GpuProcess, check
 
 H100 = "NVIDIA H100 80GB HBM3"
 
@@ -49,18 +57,20 @@ def test_fingerprint_round_trips_json():
 
 
 def report(*procs, gpus=None, drv="580.159.04"):
+    """The helper's NVML report (its fingerprint as the JSON that goes into the commit)."""
     gpus = gpus if gpus is not None else (gpu(0),)
-    return GpuReport(fingerprint=fp(*gpus, drv=drv), processes=tuple(procs))
+    return cuda_preflight.GpuReport(fingerprint=fp(*gpus, drv=drv).to_json(),
+                                    processes=tuple(procs))
 
 
 def test_preflight_refuses_old_driver():
-    with pytest.raises(PreflightRefused) as e:
+    with pytest.raises(cuda_preflight.PreflightRefused) as e:
         check(report(GpuProcess(10, "GPU-0", 1), drv="550.54"), {10})
     assert e.value.reason == "driver_too_old" and e.value.http_status == 422
 
 
 def test_preflight_refuses_mig():
-    with pytest.raises(PreflightRefused) as e:
+    with pytest.raises(cuda_preflight.PreflightRefused) as e:
         check(report(GpuProcess(10, "GPU-0", 1), gpus=(gpu(0, mig=True),)), {10})
     assert e.value.reason == "mig_unsupported"
 
@@ -70,6 +80,41 @@ def test_preflight_warns_about_outside_processes_and_counts_usage():
     warnings = check(r, {10, 11})
     assert len(warnings) == 1 and "99" in warnings[0]
     assert r.usage_by_gpu({10, 11}) == {"GPU-0": 12}
+
+
+def fake_pynvml() -> types.ModuleType:
+    """pynvml as it answers on a machine with two GPUs (the second in MIG mode), each used by
+    one process; the strings as bytes, as older nvidia-ml-py gives them."""
+    m = types.ModuleType("pynvml")
+    m.nvmlInit = m.nvmlShutdown = lambda: None
+    m.nvmlDeviceGetCount = lambda: 2
+    m.nvmlDeviceGetHandleByIndex = lambda i: i
+    m.nvmlDeviceGetMigMode = lambda h: (int(h == 1), 0)
+    m.nvmlDeviceGetUUID = lambda h: f"GPU-{h}".encode()
+    m.nvmlDeviceGetName = lambda h: H100.encode()
+    m.nvmlDeviceGetPciInfo = lambda h: SimpleNamespace(busId=f"0000:{h:02x}:00.0".encode())
+    m.nvmlDeviceGetMemoryInfo = lambda h: SimpleNamespace(total=80 * 2**30)
+    m.nvmlDeviceGetComputeRunningProcesses = lambda h: [
+        SimpleNamespace(pid=10 + h, usedGpuMemory=(h + 1) << 20)]
+    m.nvmlSystemGetDriverVersion = lambda: b"580.159.04"
+    m.nvmlSystemGetCudaDriverVersion = lambda: 13000
+    return m
+
+
+def test_helper_and_server_read_nvml_alike(monkeypatch):
+    """The helper reads NVML itself (it imports nothing of infinijup): the fingerprint it puts
+    into a commit is what the server's Fingerprint reads back, and the usage is the same."""
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml())
+    server, helper = preflight.read_nvml(), cuda_preflight.read_nvml()
+    assert helper.fingerprint == server.fingerprint.to_json()
+    assert Fingerprint.from_json(json.loads(json.dumps(helper.fingerprint))) == server.fingerprint
+    assert server.fingerprint.gpus[1].mig_enabled and server.fingerprint.driver_version == \
+        "580.159.04"
+    assert helper.usage_by_gpu({10, 11}) == server.usage_by_gpu({10, 11}) == \
+        {"GPU-0": 1 << 20, "GPU-1": 2 << 20}
+    with pytest.raises(cuda_preflight.PreflightRefused) as e:
+        check(helper, {11})
+    assert e.value.reason == "mig_unsupported"
 
 
 class FakeDriver:

@@ -11,6 +11,7 @@ import logging
 
 import pytest
 
+from infinijup.engine.lifecycle import RELEASED, RELEASING, RUNNING, Lifecycle, Operation
 from infinijup.errors import Conflict
 from infinijup.gpu.room_plan import (
     GIB,
@@ -20,7 +21,7 @@ from infinijup.gpu.room_plan import (
     plan_room,
     release_refusal,
 )
-from infinijup.serverext.hibernation import RELEASED, Hibernation, Rest
+from infinijup.serverext.hibernation import Hibernation, Rest
 
 G0, G1 = "GPU-00000000-0000-0000-0000-000000000000", "GPU-11111111-1111-1111-1111-111111111111"
 GB = 10**9
@@ -84,6 +85,8 @@ class FakeGpuServer:
         self.free, self.held, self.available = free, held, host
         self.released: list[str] = []
         self.last_active = {k: i for i, k in enumerate(held)}  # first: least recently active
+        self.lifecycle = Lifecycle()
+        self.events = NoEvents()
 
     def kernel(self, kernel_id):
         return kernel_id
@@ -91,11 +94,8 @@ class FakeGpuServer:
     async def wait_idle(self, km):
         return None
 
-    def event_state(self, kernel_id, op):
-        return {}
-
-    def event(self, *args, **kwargs):
-        return None
+    def event_operation(self, kernel_id, op):
+        return Operation(op, kernel_id)
 
     async def notebook_path(self, kernel_id):
         return f"{kernel_id}.ipynb"
@@ -120,6 +120,20 @@ class FakeGpuServer:
         return {}
 
 
+class NoEvents:
+    def end(self, *args, **kwargs):
+        return None
+
+    def failed(self, *args, **kwargs):
+        return None
+
+
+async def released(server, kernel_id: str) -> None:
+    """``kernel_id`` is released already (its bytes in host memory)."""
+    turn = await server.lifecycle.begin(kernel_id, RELEASING)
+    turn.to(RELEASED)
+
+
 def hibernation_of(server, tmp_path) -> Hibernation:
     return Hibernation(server, tmp_path / "records")
 
@@ -130,9 +144,14 @@ def test_a_wake_that_would_need_more_host_memory_than_there_is_releases_nobody(t
     server = FakeGpuServer({G0: 10 * GB}, {"k3": {G0: 100 * GB}, "k2": {G0: 8 * GB}},
                            host=50 * GB)
     hib = hibernation_of(server, tmp_path)
-    hib.rests["k1"] = Rest(RELEASED, vram={G0: 40 * GB})
+    hib.rests["k1"] = Rest(vram={G0: 40 * GB})
+
+    async def wake_k1() -> None:
+        await released(server, "k1")
+        await hib._make_room("k1", {G0: 40 * GB})
+
     with pytest.raises(Conflict) as refused:
-        asyncio.run(hib._make_room("k1", {G0: 40 * GB}))
+        asyncio.run(wake_k1())
     assert refused.value.reason == "no_room"
     assert "needs 40.0 GB on GPU GPU-00000000, 10.0 GB free" in refused.value.message
     assert "'k3.ipynb' needs 100.0 GB of host memory, 50.0 GB free" in refused.value.message
@@ -145,7 +164,8 @@ def test_a_wake_releases_those_that_fit_in_order_and_then_fits(tmp_path):
     hib = hibernation_of(server, tmp_path)
     asyncio.run(hib._make_room("k1", {G0: 40 * GB}))
     assert server.released == ["k3", "k2"]
-    assert {k: r.state for k, r in hib.rests.items()} == {"k3": RELEASED, "k2": RELEASED}
+    assert {k: server.lifecycle.state(k) for k in hib.rests} == {"k3": RELEASED,
+                                                                  "k2": RELEASED}
 
 
 def test_the_idle_policy_leaves_a_kernel_whose_memory_host_memory_cannot_hold(tmp_path):
@@ -156,3 +176,4 @@ def test_the_idle_policy_leaves_a_kernel_whose_memory_host_memory_cannot_hold(tm
     assert refused.value.reason == "no_host_memory"
     assert "'big.ipynb' needs 90.0 GB of host memory, 60.0 GB free" in refused.value.message
     assert server.released == [] and "big" not in hib.rests  # running as it was
+    assert server.lifecycle.state("big") == RUNNING

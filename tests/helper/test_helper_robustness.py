@@ -216,6 +216,9 @@ def test_installed_helper_runs_from_a_root_only_copy(other_account) -> None:
         for path in [prefix, *prefix.rglob("*")]:
             st = path.lstat()
             assert st.st_uid == 0 and not st.st_mode & 0o022, path
+        # Of the checkout, only the helper: it imports nothing of the infinijup package.
+        assert (prefix / "lib" / "infinijup_helper" / "cuda_stage.py").is_file()
+        assert not (prefix / "lib" / "infinijup").exists()
         base = make_base()
         daemon = HelperDaemon(base)
         daemon.argv = lambda *extra: [str(entry), "--socket", daemon.socket_path,  # type: ignore

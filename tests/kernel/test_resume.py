@@ -12,6 +12,7 @@ import pytest
 from kernelkit import Notebook, needs_helper
 
 from infinijup.store import Repository
+from infinijup.store.checkout import checkout_dir
 
 pytestmark = [needs_helper, pytest.mark.timeout(300)]
 
@@ -119,7 +120,7 @@ def _recommit(store, commit_id: str, tmp_path, edit) -> str:
     try:
         src = repo.get_commit(commit_id)
         work = tmp_path / f"re-{uuid.uuid4().hex[:8]}"
-        repo.checkout_dir(commit_id, work)
+        checkout_dir(repo, commit_id, work)
         meta = json.loads(json.dumps(src.metadata))
         edit(meta, work)
         c = repo.commit_dir(work, thread=f"{src.thread}-edited-{work.name}",

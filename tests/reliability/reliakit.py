@@ -276,9 +276,10 @@ def traced_by(pid: int) -> int:
 # --- the store ------------------------------------------------------------------------------------
 def store_check(path: str | Path, read_data: bool = True):
     from infinijup.store import Repository
+    from infinijup.store.check import check
 
     with Repository.open(Path(path)) as repo:
-        return repo.check(read_data=read_data)
+        return check(repo, read_data=read_data)
 
 
 def store_cli(path: str | Path, *args: str) -> subprocess.CompletedProcess[str]:

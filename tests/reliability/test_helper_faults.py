@@ -140,7 +140,7 @@ async def test_helper_killed_during_store_ingest(notebook, jp_serverapp, rhelper
 async def test_helper_killed_during_restore_checkout(notebook, jp_serverapp, rhelper,
                                                      store_path, monkeypatch):
     """Killed before the kernel is touched: the running kernel is kept, the reason shown."""
-    from infinijup.store import Repository
+    from infinijup.store import checkout
 
     # the images must come out of the store (not the hot tier, engine/hot_tier.py)
     jp_serverapp.web_app.settings["infinijup_manager"].hot_tier_bytes = 0
@@ -153,14 +153,14 @@ async def test_helper_killed_during_restore_checkout(notebook, jp_serverapp, rhe
     before = store_state(store_path)
     # The checkout (in the server, a worker thread) waits at its start for the test's go.
     checking_out, go = threading.Event(), threading.Event()
-    checkout_dir = Repository.checkout_dir
+    checkout_dir = checkout.checkout_dir
 
-    def held(self, *args, **kwargs):
+    def held(repo, *args, **kwargs):
         checking_out.set()
         assert go.wait(120)
-        return checkout_dir(self, *args, **kwargs)
+        return checkout_dir(repo, *args, **kwargs)
 
-    monkeypatch.setattr(Repository, "checkout_dir", held)
+    monkeypatch.setattr(checkout, "checkout_dir", held)
     task = asyncio.ensure_future(nb.post("restore", {"kernel_id": nb.kernel_id,
                                                      "commit": big["commit"]}))
     await until(checking_out.is_set, 120, "the restore to start checking out")

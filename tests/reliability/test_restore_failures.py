@@ -120,6 +120,7 @@ async def test_restore_of_damaged_images(notebook, jp_serverapp, rhelper, store_
     4.2.1 itself spun at 100% CPU for good on such images, after the kernel was gone.)"""
     from infinijup.engine.naming import notebook_key, store_thread
     from infinijup.store import Repository
+    from infinijup.store.checkout import checkout_dir
 
     nb = notebook
     digest, snap = await _snapshot_then_move_on(nb, seed=63)
@@ -128,7 +129,7 @@ async def test_restore_of_damaged_images(notebook, jp_serverapp, rhelper, store_
     try:
         with Repository.open(Path(store_path)) as repo:
             commit = repo.get_commit(snap["commit"])
-            repo.checkout_dir(snap["commit"], work / "images")
+            checkout_dir(repo, snap["commit"], work / "images")
             pages = max((work / "images").glob("pages-*.img"), key=lambda p: p.stat().st_size)
             os.truncate(pages, pages.stat().st_size // 2)
             damaged = repo.commit_dir(

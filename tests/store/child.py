@@ -11,6 +11,7 @@ import sys
 import time
 
 from infinijup.store import Repository
+from infinijup.store.gc import gc
 from infinijup.store.lock import FileLock
 
 
@@ -21,7 +22,7 @@ def main(argv: list[str]) -> None:
         c = repo.commit_dir(argv[2], thread=argv[3], message=f"from child {argv[3]}")
         print(c.id, flush=True)
     elif action == "gc":
-        print(repo.gc(), flush=True)
+        print(gc(repo), flush=True)
     elif action == "hold-lock":
         with FileLock(repo.lock_path):
             print("locked", flush=True)

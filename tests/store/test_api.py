@@ -20,6 +20,8 @@ from infinijup.store import (
     Symlink,
     default_store_path,
 )
+from infinijup.store.check import check
+from infinijup.store.checkout import checkout_dir
 from infinijup.store.errors import (
     AmbiguousRef,
     CheckoutTargetNotEmpty,
@@ -31,6 +33,8 @@ from infinijup.store.errors import (
     UnknownRef,
     UnsupportedFormat,
 )
+from infinijup.store.gc import gc
+from infinijup.store.rebuild import rebuild_index
 
 
 def make_tree(root: Path) -> None:
@@ -81,13 +85,13 @@ def test_commit_dir_checkout_roundtrip(any_repo: Repository, tmp_path: Path) -> 
     assert c.stats["files"] == 6
     assert 0 < c.stats["stored_bytes"] < logical  # zeros dedup, structured pages compress
     out = tmp_path / "out"
-    any_repo.checkout_dir(c.id, out)
+    checkout_dir(any_repo, c.id, out)
     assert_same_tree(src, out)
     # zero runs come back as holes
     assert os.stat(out / "sparse.img").st_blocks * 512 < (3 << 20)
     # into an existing empty directory works as well
     (tmp_path / "out2").mkdir()
-    any_repo.checkout_dir("main", tmp_path / "out2")
+    checkout_dir(any_repo, "main", tmp_path / "out2")
     assert_same_tree(src, tmp_path / "out2")
 
 
@@ -97,7 +101,7 @@ def test_checkout_refuses_non_empty_target(repo: Repository, tmp_path: Path) -> 
     (src / "f").write_bytes(b"x")
     repo.commit_dir(src, thread="t")
     with pytest.raises(CheckoutTargetNotEmpty) as err:
-        repo.checkout_dir("t", src)
+        checkout_dir(repo, "t", src)
     assert isinstance(err.value, BadRequest)
     assert (src / "f").read_bytes() == b"x"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
@@ -140,7 +144,7 @@ def test_dedup_after_one_percent_change(any_repo: Repository, tmp_path: Path,
     else:
         assert ratio < 0.03, ratio
     out = tmp_path / "out"
-    any_repo.checkout_dir(c2.id, out)
+    checkout_dir(any_repo, c2.id, out)
     assert (out / "pages-1.img").read_bytes() == bytes(img)
 
 
@@ -159,7 +163,7 @@ def test_streaming_writer_and_commit_tree(repo: Repository, tmp_path: Path) -> N
     assert c.stats["chunks"] > 0
     assert repo.read_blob(b1.id) == data
     out = tmp_path / "out"
-    repo.checkout_dir("s", out)
+    checkout_dir(repo, "s", out)
     assert (out / "a.img").read_bytes() == data
     assert (out / "d" / "b.img").read_bytes() == data
     assert os.readlink(out / "d" / "l") == "../a"
@@ -260,7 +264,7 @@ def test_threads_and_log_form_a_dag(repo: Repository, tmp_path: Path) -> None:
     assert repo.get_commit(b2.id[:12]).message == "b2"
     repo.delete_thread("exp")
     assert len(repo.log()) == 5  # commits stay until gc
-    report = repo.gc()
+    report = gc(repo)
     assert report.commits_removed == []  # all still reachable through the merge
     with pytest.raises(UnknownRef):
         repo.log("exp")
@@ -284,7 +288,7 @@ def test_find_commits_by_metadata(repo: Repository, tmp_path: Path) -> None:
     assert repo.find_commits(notebook_path="nope") == []
     assert [x.id for x in repo.find_commits(thread="a")] == [c.id, a.id]
     # the index is derived data: after a rebuild the same answers come back
-    repo.rebuild_index()
+    rebuild_index(repo)
     assert [x.id for x in repo.find_commits(notebook_path="nb/one.ipynb")] == [b.id, a.id]
 
 
@@ -331,19 +335,19 @@ def test_stats_and_gc_of_deleted_thread(repo: Repository, tmp_path: Path) -> Non
     repo.commit_dir(src, thread="scratch")
     before = repo.stats()
     assert before["commits"] == 2 and before["threads"] == 2
-    dry = repo.gc(dry_run=True)
+    dry = gc(repo, dry_run=True)
     assert dry.dry_run and dry.commits_removed == [] and dry.bytes_freed == 0
     repo.delete_thread("scratch")
-    dry = repo.gc(dry_run=True)
+    dry = gc(repo, dry_run=True)
     assert len(dry.commits_removed) == 1
     assert repo.stats() == {**before, "threads": 1}  # a dry run changes nothing
-    report = repo.gc()
+    report = gc(repo)
     assert len(report.commits_removed) == 1 and report.bytes_freed > 2_900_000
     after = repo.stats()
     assert after["commits"] == 1 and after["pack_bytes"] < before["pack_bytes"] - 2_900_000
-    assert repo.check(read_data=True).ok
+    assert check(repo, read_data=True).ok
     out = tmp_path / "out"
-    repo.checkout_dir(keep.id, out)
+    checkout_dir(repo, keep.id, out)
     assert (out / "keep.img").read_bytes() == (src / "keep.img").read_bytes()
 
 
@@ -361,7 +365,7 @@ def test_gc_shrinks_the_index_journal_of_an_open_store(tmp_path):
         (src / "pages-1.img").write_bytes(rng.bytes(1 << 20))
         repo.commit_dir(src, thread="main")
     repo.delete_thread("main")
-    repo.gc()
+    gc(repo)
     wal = tmp_path / "store" / "index.sqlite-wal"
     assert not wal.exists() or wal.stat().st_size < 1 << 20, wal.stat().st_size
     repo.close()

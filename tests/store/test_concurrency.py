@@ -13,7 +13,9 @@ import pytest
 from conftest import random_bytes, subprocess_env
 
 from infinijup.store import Repository
+from infinijup.store.check import check
 from infinijup.store.errors import StoreLocked
+from infinijup.store.gc import gc
 from infinijup.store.lock import FileLock
 
 CHILD = str(Path(__file__).with_name("child.py"))
@@ -38,7 +40,7 @@ def test_two_processes_commit_at_once(tmp_path: Path) -> None:
     assert {c.id for c in log} == set(ids[:2])  # both landed, one on top of the other
     assert log[0].parents == (log[1].id,)
     assert repo.threads() == {"main": log[0].id, "other": ids[2]}
-    assert repo.check(read_data=True).ok
+    assert check(repo, read_data=True).ok
 
 
 def test_lock_of_killed_process_is_taken_over(tmp_path: Path) -> None:
@@ -63,7 +65,7 @@ def test_lock_of_killed_process_is_taken_over(tmp_path: Path) -> None:
     (src / "f").write_text("x")
     fresh = Repository.open(repo.path, lock_timeout=2)
     assert fresh.commit_dir(src, thread="t").thread == "t"
-    assert fresh.gc().dry_run is False
+    assert gc(fresh).dry_run is False
 
 
 def test_stale_lock_file_with_dead_pid(tmp_path: Path) -> None:
@@ -83,7 +85,7 @@ def test_gc_waits_for_a_writer(tmp_path: Path) -> None:
     with repo.writer() as w:
         blob = w.add_bytes(random_bytes(100_000))
         with pytest.raises(StoreLocked):
-            Repository.open(repo.path, lock_timeout=0.2).gc()
+            gc(Repository.open(repo.path, lock_timeout=0.2))
         w.commit({"f": blob}, thread="t")
-    assert repo.gc().commits_removed == []
+    assert gc(repo).commits_removed == []
     assert repo.read_blob(blob.id) == random_bytes(100_000)

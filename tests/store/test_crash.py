@@ -13,6 +13,9 @@ import pytest
 from conftest import random_bytes, subprocess_env
 
 from infinijup.store import Repository
+from infinijup.store.check import check
+from infinijup.store.checkout import checkout_dir
+from infinijup.store.gc import gc
 
 CHILD = str(Path(__file__).with_name("child.py"))
 COMMIT_POINTS = ["after_pack", "after_pack:2", "after_index", "after_index:3", "after_commit",
@@ -40,10 +43,10 @@ def fresh_store(tmp_path: Path) -> tuple[Repository, Path, dict[str, bytes]]:
 
 
 def assert_intact(repo: Repository, tmp_path: Path, thread: str, files: dict[str, bytes]) -> None:
-    report = repo.check(read_data=True)
+    report = check(repo, read_data=True)
     assert report.ok, report.problems
     out = tmp_path / f"out-{len(list(tmp_path.iterdir()))}"
-    repo.checkout_dir(thread, out)
+    checkout_dir(repo, thread, out)
     for name, data in files.items():
         assert (out / name).read_bytes() == data
 
@@ -65,8 +68,8 @@ def test_commit_killed_at_named_point(tmp_path: Path, point: str) -> None:
     # the store keeps working: a new commit lands, gc cleans the leftovers
     c = repo.commit_dir(src, thread="main")
     assert c.parents == (tip,)
-    repo.gc()
-    after = repo.check(read_data=True)
+    gc(repo)
+    after = check(repo, read_data=True)
     assert after.ok and not after.warnings, (after.problems, after.warnings)
 
 
@@ -90,9 +93,9 @@ def test_gc_killed_at_named_point(tmp_path: Path, point: str) -> None:
     assert r.returncode == -signal.SIGKILL, r.stdout + r.stderr
     repo = Repository.open(repo.path)
     assert_intact(repo, tmp_path, "main", keep_files)
-    repo.gc()
+    gc(repo)
     assert_intact(repo, tmp_path, "main", keep_files)
-    assert not repo.check().warnings
+    assert not check(repo).warnings
 
 
 def test_commit_killed_at_random_moments(tmp_path: Path) -> None:
@@ -114,7 +117,7 @@ def test_commit_killed_at_random_moments(tmp_path: Path) -> None:
         else:
             unreported += 1
         fresh = Repository.open(repo.path)
-        report = fresh.check(read_data=True)
+        report = check(fresh, read_data=True)
         assert report.ok, report.problems
         fresh.close()
     repo = Repository.open(repo.path)
@@ -122,5 +125,5 @@ def test_commit_killed_at_random_moments(tmp_path: Path) -> None:
     # a kill can land between moving the ref and printing: such a commit is there too
     assert reported <= landed and len(landed) <= len(reported) + unreported
     assert repo.log("main")[-1].message == "base"
-    repo.gc()
-    assert repo.check(read_data=True).ok
+    gc(repo)
+    assert check(repo, read_data=True).ok

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from infinijup.store import Repository
+from infinijup.store.check import check
+from infinijup.store.checkout import checkout_dir
 
 CRIU = os.environ.get("INFINIJUP_CRIU", "/opt/infinijup/criu/sbin/criu")
 PYCRIU = os.environ.get("INFINIJUP_PYCRIU", "/opt/infinijup/criu/python")
@@ -77,10 +79,10 @@ def test_real_criu_image_roundtrip_and_dedup(tmp_path: Path) -> None:
     assert c2.stats["stored_bytes"] < 0.03 * c2.stats["image_bytes"], c2.stats
     for commit, src in ((c1, "d1"), (c2, "d2")):
         out = tmp_path / f"out-{src}"
-        repo.checkout_dir(commit.id, out)
+        checkout_dir(repo, commit.id, out)
         r = subprocess.run(["diff", "-r", str(tmp_path / src), str(out)], capture_output=True)
         assert r.returncode == 0, r.stdout[:500]
-    assert repo.check(read_data=True).ok
+    assert check(repo, read_data=True).ok
     shutil.rmtree(tmp_path / "store")
 
 
@@ -100,7 +102,7 @@ def test_checked_out_image_parses_with_pycriu(tmp_path: Path) -> None:
         p.wait()
     repo = Repository.init(tmp_path / "store")
     repo.commit_dir(tmp_path / "d", thread="k")
-    repo.checkout_dir("k", tmp_path / "out")
+    checkout_dir(repo, "k", tmp_path / "out")
     with open(tmp_path / "out" / "inventory.img", "rb") as f:
         inv = pycriu.images.load(f)
     assert inv["magic"] == "INVENTORY"

@@ -9,6 +9,8 @@ import pytest
 from conftest import random_bytes
 
 from infinijup.store import Repository
+from infinijup.store.check import check
+from infinijup.store.checkout import checkout_dir
 from infinijup.store.errors import (
     ChecksumMismatch,
     CorruptObject,
@@ -16,7 +18,9 @@ from infinijup.store.errors import (
     ObjectMissing,
     UnknownRef,
 )
+from infinijup.store.gc import gc
 from infinijup.store.layout import pack_files
+from infinijup.store.rebuild import rebuild_index
 
 
 def two_commits(repo: Repository, tmp_path: Path) -> tuple[str, str, Path]:
@@ -46,17 +50,17 @@ def test_flipped_byte_is_named_and_isolated(repo: Repository, tmp_path: Path) ->
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0x40]))
-    assert repo.check().ok  # structure is intact: only reading the data finds it
-    report = repo.check(read_data=True)
+    assert check(repo).ok  # structure is intact: only reading the data finds it
+    report = check(repo, read_data=True)
     assert not report.ok
     assert any(victim.hex() in p and loc.pack in p for p in report.problems), report.problems
     with pytest.raises(ChecksumMismatch) as err:
         repo.read_object(victim)
     assert victim.hex() in str(err.value) and loc.pack in str(err.value)
     with pytest.raises(ChecksumMismatch):
-        repo.checkout_dir(a, tmp_path / "out-a")
+        checkout_dir(repo, a, tmp_path / "out-a")
     assert not (tmp_path / "out-a").exists()
-    repo.checkout_dir(b, tmp_path / "out-b")  # the other commit still reads
+    checkout_dir(repo, b, tmp_path / "out-b")  # the other commit still reads
     assert (tmp_path / "out-b" / "b.img").read_bytes() == random_bytes(1_500_000, seed=2)
 
 
@@ -67,7 +71,7 @@ def test_truncated_pack(repo: Repository, tmp_path: Path) -> None:
     assert loc is not None
     path = pack_files(repo)[loc.pack]
     os.truncate(path, path.stat().st_size - 100)
-    report = repo.check()
+    report = check(repo)
     assert any(loc.pack in p and "trailer" in p for p in report.problems), report.problems
     # objects before the cut are intact and the index still locates them
     assert repo.read_object(victim)
@@ -75,7 +79,7 @@ def test_truncated_pack(repo: Repository, tmp_path: Path) -> None:
     with pytest.raises(ChecksumMismatch, match="short read|decompress|checksum"):
         repo.read_object(victim)
     with pytest.raises(ChecksumMismatch):
-        repo.checkout_dir(a, tmp_path / "out")
+        checkout_dir(repo, a, tmp_path / "out")
 
 
 def test_missing_index_is_rebuilt(repo: Repository, tmp_path: Path) -> None:
@@ -86,8 +90,8 @@ def test_missing_index_is_rebuilt(repo: Repository, tmp_path: Path) -> None:
         Path(str(repo.index_path) + suffix).unlink(missing_ok=True)
     again = Repository.open(repo.path)
     assert {c.id for c in again.log()} == before
-    assert again.check(read_data=True).ok
-    again.checkout_dir(a, tmp_path / "out")
+    assert check(again, read_data=True).ok
+    checkout_dir(again, a, tmp_path / "out")
 
 
 def test_corrupt_index_needs_rebuild(repo: Repository, tmp_path: Path) -> None:
@@ -100,30 +104,30 @@ def test_corrupt_index_needs_rebuild(repo: Repository, tmp_path: Path) -> None:
     with pytest.raises(IndexCorrupt) as err:
         broken.log()
     assert "rebuild-index" in str(err.value)
-    summary = broken.rebuild_index()
+    summary = rebuild_index(broken)
     assert summary["commits"] == 2
     assert broken.resolve(a[:8]) == a
-    assert broken.check(read_data=True).ok
+    assert check(broken, read_data=True).ok
 
 
 def test_stale_index_rows_are_found_and_repaired(repo: Repository, tmp_path: Path) -> None:
     a, b, _ = two_commits(repo, tmp_path)
     victim = chunk_of(repo, b, "b.img")
     repo.index._db.execute("DELETE FROM objects WHERE id = ?", (victim,))
-    report = repo.check()
+    report = check(repo)
     assert any(victim.hex() in p and "missing" in p for p in report.problems)
     with pytest.raises(ObjectMissing):
-        repo.checkout_dir(b, tmp_path / "out")
+        checkout_dir(repo, b, tmp_path / "out")
     with pytest.raises(Exception, match="gc refused"):
-        repo.gc()
-    repo.rebuild_index()
-    assert repo.check().ok
+        gc(repo)
+    rebuild_index(repo)
+    assert check(repo).ok
 
 
 def test_ref_to_missing_commit(repo: Repository, tmp_path: Path) -> None:
     a, b, _ = two_commits(repo, tmp_path)
     (repo.commits_dir / b[:2] / b).unlink()
-    report = repo.check()
+    report = check(repo)
     assert any("thread 'b'" in p and b in p for p in report.problems), report.problems
     with pytest.raises(ObjectMissing):
         repo.get_commit("b")
@@ -136,7 +140,7 @@ def test_damaged_commit_and_ref_files(repo: Repository, tmp_path: Path) -> None:
     p.write_bytes(p.read_bytes().replace(b'"thread":"a"', b'"thread":"z"'))
     with pytest.raises(ChecksumMismatch):
         repo.get_commit(a)
-    assert any(a in x and "checksum" in x for x in repo.check().problems)
+    assert any(a in x and "checksum" in x for x in check(repo).problems)
     (repo.refs_dir / "b").write_text("garbage\n")
     with pytest.raises(CorruptObject):
         repo.resolve("b")

@@ -25,12 +25,16 @@ from conftest import page_image, random_bytes, subprocess_env
 from infinijup.store import Blob, Repository
 from infinijup.store import delta as delta_format
 from infinijup.store.basemap import BaseMap
+from infinijup.store.check import check
+from infinijup.store.checkout import checkout_dir
 from infinijup.store.errors import ChecksumMismatch, ObjectMissing, StoreError
+from infinijup.store.gc import gc
 from infinijup.store.index import Location
 from infinijup.store.layout import pack_files
 from infinijup.store.objects import CHUNK, hash_bytes
 from infinijup.store.packs import DELTA, RAW, PackWriter
 from infinijup.store.reader import ObjectReader
+from infinijup.store.rebuild import rebuild_index
 
 PAGE = 4096
 CHILD = str(Path(__file__).with_name("child.py"))
@@ -66,7 +70,7 @@ def snapshot(repo: Repository, src: Path, img: bytes | bytearray, thread: str = 
 
 
 def checkout_bytes(repo: Repository, commit_id: str, out: Path) -> bytes:
-    repo.checkout_dir(commit_id, out)
+    checkout_dir(repo, commit_id, out)
     return (out / "pages-1.img").read_bytes()
 
 
@@ -114,7 +118,7 @@ def test_second_snapshot_stores_little_and_reads_back(tmp_path: Path, src: Path,
         assert (s["delta_chunks"] > 0) == deltas, s
         assert checkout_bytes(repo, second.id, tmp_path / f"out-{deltas}") == bytes(changed)
         assert checkout_bytes(repo, first.id, tmp_path / f"out1-{deltas}") == bytes(img)
-        report = repo.check(read_data=True)
+        report = check(repo, read_data=True)
         assert report.ok and not report.warnings, (report.problems, report.warnings)
         stats = repo.stats()
         assert (stats["delta_chunks"] == s["delta_chunks"]) if deltas else \
@@ -141,7 +145,7 @@ def test_successive_snapshots_never_nest_deltas(tmp_path: Path, src: Path) -> No
             for oid, loc in delta_chunks(repo, cid).items():
                 sources = repo.index.lookup_many(reader.sources(oid, loc))
                 assert sources and all(s.compression != DELTA for s in sources.values())
-    assert repo.check(read_data=True).ok
+    assert check(repo, read_data=True).ok
     for i, (cid, data) in enumerate(versions.items()):
         assert checkout_bytes(repo, cid, tmp_path / f"out-{i}") == data
 
@@ -156,7 +160,7 @@ def test_delta_with_zero_pages_tail_and_shifted_cuts(tmp_path: Path, src: Path) 
     c = snapshot(repo, src, img)
     assert c.stats["delta_chunks"] > 0
     assert checkout_bytes(repo, c.id, tmp_path / "out") == bytes(img)
-    assert repo.check(read_data=True).ok
+    assert check(repo, read_data=True).ok
 
 
 def test_unrelated_file_tries_few_deltas(tmp_path: Path, src: Path,
@@ -209,10 +213,10 @@ def test_gc_keeps_sources_of_live_deltas_and_repacks_them(tmp_path: Path, src: P
         b = w.commit({"pages-1.img": blob}, thread="b", parents=[])
     assert b.parents == () and b.stats["delta_chunks"] > 0
     repo.delete_thread("a")
-    report = repo.gc()
+    report = gc(repo)
     assert set(report.commits_removed) == {a.id, a2.id}
     assert report.packs_repacked or report.packs_deleted
-    after = repo.check(read_data=True)
+    after = check(repo, read_data=True)
     assert after.ok and not after.warnings, (after.problems, after.warnings)
     assert checkout_bytes(repo, b.id, tmp_path / "out") == bytes(changed)
     assert report.objects_removed > 0
@@ -249,11 +253,11 @@ def test_gc_killed_while_collecting_around_deltas(tmp_path: Path, src: Path,
                        env=subprocess_env(INFINIJUP_STORE_CRASH_AT=point))
     assert r.returncode == -signal.SIGKILL, r.stdout + r.stderr
     repo = Repository.open(repo.path)
-    report = repo.check(read_data=True)
+    report = check(repo, read_data=True)
     assert report.ok, report.problems
     assert checkout_bytes(repo, b.id, tmp_path / "out") == bytes(changed)
-    repo.gc()
-    after = repo.check(read_data=True)
+    gc(repo)
+    after = check(repo, read_data=True)
     assert after.ok and not after.warnings, (after.problems, after.warnings)
     assert checkout_bytes(repo, b.id, tmp_path / "out2") == bytes(changed)
 
@@ -273,14 +277,14 @@ def test_damaged_delta_literals_are_named(tmp_path: Path, src: Path) -> None:
     repo, first, second, img, _ = delta_store(tmp_path, src)
     oid, loc = next(iter(delta_chunks(repo, second).items()))
     flip(repo, loc, loc.length - 3)  # inside the literal pages
-    assert repo.check().ok  # the structure is intact
-    report = repo.check(read_data=True)
+    assert check(repo).ok  # the structure is intact
+    report = check(repo, read_data=True)
     assert any(oid.hex() in p and loc.pack in p for p in report.problems), report.problems
     with pytest.raises(ChecksumMismatch) as err:
         repo.read_object(oid)
     assert oid.hex() in str(err.value) and loc.pack in str(err.value)
     with pytest.raises(ChecksumMismatch):
-        repo.checkout_dir(second, tmp_path / "out")
+        checkout_dir(repo, second, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     assert checkout_bytes(repo, first, tmp_path / "out1") == img
 
@@ -292,20 +296,20 @@ def test_damaged_delta_header_is_found_without_reading_data(tmp_path: Path, src:
     oid, loc = next(iter(delta_chunks(repo, second).items()))
     for at in (delta_format.HEAD.size + 5, 1, delta_format.HEAD.size + 32 + 2):
         flip(repo, loc, at)  # a source id, the magic, the first run
-        report = repo.check()  # structure only: headers are read, data is not
+        report = check(repo)  # structure only: headers are read, data is not
         assert any(oid.hex() in p and loc.pack in p and "damaged delta" in p
                    for p in report.problems), (at, report.problems)
         with pytest.raises(ChecksumMismatch) as err:
             repo.read_object(oid)
         assert oid.hex() in str(err.value) and loc.pack in str(err.value)
         with pytest.raises(ChecksumMismatch):
-            repo.checkout_dir(second, tmp_path / f"out-{at}")
+            checkout_dir(repo, second, tmp_path / f"out-{at}")
         with pytest.raises(StoreError, match="gc refused"):
-            repo.gc()
+            gc(repo)
         flip(repo, loc, at)  # repaired
-        assert repo.check().ok
+        assert check(repo).ok
     assert checkout_bytes(repo, first, tmp_path / "out1") == img
-    assert repo.check(read_data=True).ok
+    assert check(repo, read_data=True).ok
 
 
 def test_damaged_or_missing_source(tmp_path: Path, src: Path) -> None:
@@ -317,23 +321,23 @@ def test_damaged_or_missing_source(tmp_path: Path, src: Path) -> None:
     assert sloc is not None and sloc.compression != DELTA
     flip(repo, sloc, sloc.length // 2)
     with pytest.raises(ChecksumMismatch) as err:
-        repo.checkout_dir(second, tmp_path / "out")
+        checkout_dir(repo, second, tmp_path / "out")
     assert source.hex() in str(err.value) and sloc.pack in str(err.value)
-    report = repo.check(read_data=True)
+    report = check(repo, read_data=True)
     assert any(source.hex() in p for p in report.problems), report.problems
     flip(repo, sloc, sloc.length // 2)  # repaired
     assert checkout_bytes(repo, second, tmp_path / "out2") == changed
     repo.index._db.execute("DELETE FROM objects WHERE id = ?", (source,))
-    report = repo.check()
+    report = check(repo)
     assert any(source.hex() in p and "delta source" in p and "missing" in p
                for p in report.problems), report.problems
     with pytest.raises(ObjectMissing) as err2:
-        repo.checkout_dir(second, tmp_path / "out3")
+        checkout_dir(repo, second, tmp_path / "out3")
     assert source.hex() in str(err2.value)
     with pytest.raises(StoreError, match="gc refused"):
-        repo.gc()
-    repo.rebuild_index()
-    assert repo.check(read_data=True).ok
+        gc(repo)
+    rebuild_index(repo)
+    assert check(repo, read_data=True).ok
     assert checkout_bytes(repo, second, tmp_path / "out4") == changed
 
 
@@ -347,11 +351,11 @@ def test_rebuilt_index_prefers_a_whole_copy_to_a_delta(tmp_path: Path, src: Path
     pw.add(CHUNK, oid, plain, RAW, len(plain))
     name, _path, size = pw.finish()  # a whole duplicate, not indexed (as after a crash)
     assert repo.index.lookup(oid).compression == DELTA
-    assert any(name in w for w in repo.check().warnings)
-    repo.rebuild_index()
+    assert any(name in w for w in check(repo).warnings)
+    rebuild_index(repo)
     again = repo.index.lookup(oid)
     assert again is not None and again.compression == RAW and again.pack == name
-    assert repo.check(read_data=True).ok
+    assert check(repo, read_data=True).ok
     assert checkout_bytes(repo, second, tmp_path / "out") == changed
     assert hash_bytes(repo.read_object(oid)) == oid
 
@@ -370,7 +374,7 @@ def test_delta_commit_killed_at_named_point(tmp_path: Path, src: Path, point: st
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == -signal.SIGKILL, r.stderr
     repo = Repository.open(repo.path)
-    report = repo.check(read_data=True)
+    report = check(repo, read_data=True)
     assert report.ok, report.problems
     tip = repo.resolve("main")
     if point == "after_ref":
@@ -381,8 +385,8 @@ def test_delta_commit_killed_at_named_point(tmp_path: Path, src: Path, point: st
     assert checkout_bytes(repo, base.id, tmp_path / "out1") == bytes(img)
     c = repo.commit_dir(src, thread="main")  # the store goes on: deltas land, gc cleans
     assert checkout_bytes(repo, c.id, tmp_path / "out2") == bytes(changed)
-    repo.gc()
-    after = repo.check(read_data=True)
+    gc(repo)
+    after = check(repo, read_data=True)
     assert after.ok and not after.warnings, (after.problems, after.warnings)
 
 
@@ -400,7 +404,7 @@ def test_version_1_store_reads_and_is_upgraded_by_its_first_writer(tmp_path: Pat
     old = Repository.open(tmp_path / "store")
     assert old.config.version == 1 and not old.config.page_deltas
     assert checkout_bytes(old, first.id, tmp_path / "out") == bytes(img)
-    assert old.check(read_data=True).ok
+    assert check(old, read_data=True).ok
     dirty(img, 0.01, seed=22)
     second = snapshot(old, src, img)
     assert second.stats["delta_chunks"] > 0

@@ -19,6 +19,8 @@ import zstandard
 from conftest import CHUNKERS, page_image, random_bytes
 
 from infinijup.store import Repository
+from infinijup.store.check import check
+from infinijup.store.checkout import checkout_dir
 from infinijup.store.chunking import chunk_lengths
 from infinijup.store.errors import ChecksumMismatch
 from infinijup.store.layout import pack_files
@@ -65,7 +67,7 @@ def test_chunk_ids_are_blake3_of_content_with_zero_pages(tmp_path: Path, name: s
     out = tmp_path / "out"
     with repo.writer() as w:
         c = w.commit({"img": w.add_stream(io.BytesIO(data))}, thread="t")
-    repo.checkout_dir(c.id, out)
+    checkout_dir(repo, c.id, out)
     assert (out / "img").read_bytes() == data
     assert os.stat(out / "img").st_blocks * 512 < len(data) - (2 << 20)
 
@@ -162,10 +164,10 @@ def test_damage_inside_a_run_is_named(tmp_path: Path, kind: int) -> None:
     victim = middle[len(middle) // 2]
     pack = flip(repo, victim)
     with pytest.raises(ChecksumMismatch) as err:
-        repo.checkout_dir(commit, tmp_path / "out")
+        checkout_dir(repo, commit, tmp_path / "out")
     assert victim.hex() in str(err.value) and pack in str(err.value)
     assert not (tmp_path / "out").exists()
-    report = repo.check(read_data=True)
+    report = check(repo, read_data=True)
     assert any(victim.hex() in p for p in report.problems)
 
 
@@ -177,7 +179,7 @@ def test_truncated_pack_inside_a_run_is_a_short_read(tmp_path: Path) -> None:
     assert loc is not None
     os.truncate(pack_files(repo)[loc.pack], loc.offset + loc.length // 2)
     with pytest.raises(ChecksumMismatch, match="short read") as err:
-        repo.checkout_dir(commit, tmp_path / "out")
+        checkout_dir(repo, commit, tmp_path / "out")
     assert victim.hex() in str(err.value)
 
 
@@ -191,7 +193,7 @@ def test_checkout_of_many_runs_and_duplicates(tmp_path: Path, threads: int) -> N
     src.mkdir()
     (src / "img").write_bytes(data)
     c = repo.commit_dir(src, thread="t", threads=threads)
-    repo.checkout_dir(c.id, tmp_path / "out", threads=threads)
+    checkout_dir(repo, c.id, tmp_path / "out", threads=threads)
     assert (tmp_path / "out" / "img").read_bytes() == data
 
 
@@ -204,7 +206,7 @@ def test_sealed_packs_are_indexed_in_batches(tmp_path: Path,
         blob = w.add_stream(io.BytesIO(data))
         c = w.commit({"img": blob}, thread="t")
     assert len(repo.index.packs()) == len(pack_files(repo)) > 5
-    report = repo.check(read_data=True)
+    report = check(repo, read_data=True)
     assert report.ok and not report.warnings, (report.problems, report.warnings)
-    repo.checkout_dir(c.id, tmp_path / "out")
+    checkout_dir(repo, c.id, tmp_path / "out")
     assert (tmp_path / "out" / "img").read_bytes() == data

@@ -21,6 +21,8 @@ from conftest import random_bytes, subprocess_env
 from s3server import S3Server, started, use_remote, weed_binary
 
 from infinijup.store import Repository
+from infinijup.store.check import check
+from infinijup.store.checkout import checkout_dir
 from infinijup.store.errors import RemoteConflict, RemoteCorrupt, RemoteNotFound
 from infinijup.store.remote import pull, push, read_remote_ref
 from infinijup.store.s3 import S3Bucket
@@ -64,7 +66,7 @@ def _tree(root: Path) -> dict[str, tuple[int, bytes]]:
 
 
 def _same_tree(repo: Repository, ref: str, image: Path, out: Path) -> None:
-    repo.checkout_dir(ref, out)
+    checkout_dir(repo, ref, out)
     assert _tree(out) == _tree(image)
 
 
@@ -145,7 +147,7 @@ def test_clone_takes_every_thread(s3: S3Server, remote: str, tmp_path: Path) -> 
     assert out.returncode == 0, out.stderr
     c = Repository.open(tmp_path / "clone")
     assert c.threads() == {"main": c1.id, "experiment/one": c2.id}
-    assert c.check(read_data=True).ok
+    assert check(c, read_data=True).ok
     _same_tree(c, "experiment/one", image, tmp_path / "out")
 
 
@@ -185,7 +187,7 @@ def test_push_killed_midway_then_retried(s3: S3Server, remote: str, tmp_path: Pa
     bucket = S3Bucket(remote)
     assert read_remote_ref(bucket, "main") == (None, None)
     assert len(bucket.list("packs/")) == 1 and not bucket.list("commits/")
-    assert a.check().ok
+    assert check(a).ok
     b = Repository.init(tmp_path / "b")
     with pytest.raises(RemoteNotFound, match="no thread 'main'"):
         pull(b, remote, "main")
@@ -195,7 +197,7 @@ def test_push_killed_midway_then_retried(s3: S3Server, remote: str, tmp_path: Pa
     assert retry.packs_uploaded == total - 1 and retry.packs_present == 1
     assert read_remote_ref(bucket, "main")[0] == c1.id
     pull(b, remote, "main")
-    assert b.check(read_data=True).ok
+    assert check(b, read_data=True).ok
     _same_tree(b, "main", image, tmp_path / "out")
 
 
@@ -212,7 +214,7 @@ def test_pull_killed_midway_then_resumed(s3: S3Server, remote: str, tmp_path: Pa
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=HANG_GUARD)
     hold.release()
-    report = b.check(read_data=True)
+    report = check(b, read_data=True)
     assert report.ok and report.commits == 0 and report.packs == 0, report
     assert b.threads() == {} and b.index.packs() == {}
     staged = [p for p in (b.path / "tmp" / "pull").iterdir() if len(p.name) == 64]
@@ -221,7 +223,7 @@ def test_pull_killed_midway_then_resumed(s3: S3Server, remote: str, tmp_path: Pa
     r = pull(b, remote, "main")
     assert (r.packs_resumed, r.packs_downloaded) == (1, total - 1)
     assert r.thread == "main" and b.threads() == {"main": c1.id}
-    assert b.check(read_data=True).ok
+    assert check(b, read_data=True).ok
     _same_tree(b, "main", image, tmp_path / "out")
 
 
@@ -241,13 +243,13 @@ def test_two_pushes_to_one_thread(s3: S3Server, remote: str, tmp_path: Path) -> 
 
     bucket = S3Bucket(remote)
     assert read_remote_ref(bucket, "main")[0] == cb.id  # the winner's ref stands
-    assert a.threads() == {"main": ca.id} and a.check().ok
+    assert a.threads() == {"main": ca.id} and check(a).ok
     with pytest.raises(RemoteConflict, match="not in the local history"):
         push(a, remote)  # a retry does not overwrite b's commit either
     c = Repository.init(tmp_path / "c")
     pull(c, remote, "main")
     pull(c, remote, ca.id)  # nothing lost: a's commit is on the remote too
-    assert c.get_commit(ca.id).message == "from a" and c.check(read_data=True).ok
+    assert c.get_commit(ca.id).message == "from a" and check(c, read_data=True).ok
     with pytest.raises(RemoteConflict, match="diverged"):
         pull(a, remote, "main")
     assert a.threads() == {"main": ca.id}
@@ -306,7 +308,7 @@ def test_corrupted_remote_pack_is_refused(s3: S3Server, remote: str, tmp_path: P
     assert "nothing was restored" in out.stderr and "[remote_corrupt]" in out.stderr
     with pytest.raises(RemoteCorrupt):
         pull(b, remote, "main")
-    report = b.check(read_data=True)
+    report = check(b, read_data=True)
     assert report.ok and (report.commits, report.packs) == (0, 0)
     assert b.threads() == {} and b.index.packs() == {}
     assert not (b.path / "tmp" / "pull" / name.rsplit("/", 1)[1]).exists()
@@ -339,11 +341,11 @@ def test_server_stopped_mid_transfer(tmp_path: Path, monkeypatch: pytest.MonkeyP
         hold.release()
         _out, err = proc.communicate(timeout=HANG_GUARD)
         assert proc.returncode == 2 and "cannot reach" in err, err
-        assert b.check().ok and b.threads() == {}
+        assert check(b).ok and b.threads() == {}
         server.start()
         r = pull(b, url, "main")
         assert r.packs_resumed >= 1 and b.threads() == {"main": c1.id}
-        assert b.check(read_data=True).ok
+        assert check(b, read_data=True).ok
         _same_tree(b, "main", image, tmp_path / "out")
     finally:
         server.stop(kill=True)

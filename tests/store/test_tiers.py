@@ -22,7 +22,10 @@ from conftest import random_bytes, subprocess_env
 from s3server import S3Server, use_remote, weed_binary
 
 from infinijup.store import Repository
+from infinijup.store.check import check
+from infinijup.store.checkout import checkout_dir
 from infinijup.store.errors import ObjectMissing, RemoteError, StoreLocked
+from infinijup.store.gc import gc
 from infinijup.store.lock import FileLock
 from infinijup.store.remote import fetch_commit_data, pull, push, read_remote_ref
 from infinijup.store.remote_only import remote_only
@@ -90,8 +93,8 @@ def test_oldest_go_first_and_come_back_verified(s3: S3Server, remote: str,
     assert report.bytes_before == total and report.bytes_after <= budget, report
     assert set(remote_only(repo)) == {c1.id, c2.id}
 
-    check = repo.check(read_data=True)
-    assert check.ok and check.remote_only == 2, check
+    checked = check(repo, read_data=True)
+    assert checked.ok and checked.remote_only == 2, checked
     out = _cli(repo.path, "check")
     assert out.returncode == 0 and "2 commit(s) are remote-only" in out.stdout, out
     log = _cli(repo.path, "log").stdout.splitlines()
@@ -102,28 +105,28 @@ def test_oldest_go_first_and_come_back_verified(s3: S3Server, remote: str,
     assert "pages.img" in show.stdout  # its tree is still here
 
     with pytest.raises(ObjectMissing):
-        repo.checkout_dir(c1.id, tmp_path / "no")
+        checkout_dir(repo, c1.id, tmp_path / "no")
     bucket = f"ij-{uuid.uuid4().hex[:12]}"
     s3.make_bucket(bucket)
     with pytest.raises(RemoteError, match="remote-only here"):  # its data is not here to send
         push(repo, f"s3://{bucket}/elsewhere", ["main"])
-    repo.checkout_dir(local_only.id, tmp_path / "local")  # never pushed: untouched
+    checkout_dir(repo, local_only.id, tmp_path / "local")  # never pushed: untouched
     assert _files(tmp_path / "local") == local_files
 
-    gc = repo.gc()  # gc works on a store with remote-only commits, and keeps them so
-    assert gc.commits_removed == [] and repo.check().ok
+    collected = gc(repo)  # gc works on a store with remote-only commits, and keeps them so
+    assert collected.commits_removed == [] and check(repo).ok
 
     seen: list[tuple[int, int]] = []
     got = ensure_local(repo, c1.id, progress=lambda done, total, _b: seen.append((done, total)))
     assert got is not None and got.packs_downloaded >= 1 and seen[-1][0] == seen[-1][1]
     assert set(remote_only(repo)) == {c2.id}
-    repo.checkout_dir(c1.id, tmp_path / "back")
+    checkout_dir(repo, c1.id, tmp_path / "back")
     assert _files(tmp_path / "back") == files1
     assert ensure_local(repo, c1.id) is None  # local now: nothing to pull
     r = pull(repo, remote, c2.id)  # the CLI's way back
     assert r.packs_downloaded >= 1 and remote_only(repo) == {}
-    check = repo.check(read_data=True)
-    assert check.ok and check.remote_only == 0, check
+    checked = check(repo, read_data=True)
+    assert checked.ok and checked.remote_only == 0, checked
 
 
 def test_delta_sources_of_local_commits_stay(remote: str, tmp_path: Path) -> None:
@@ -137,11 +140,11 @@ def test_delta_sources_of_local_commits_stay(remote: str, tmp_path: Path) -> Non
     push(repo, remote)
     report = evict(repo, remote, 0, pinned={c2.id})
     assert report.commits == [c1.id]
-    repo.checkout_dir(c2.id, tmp_path / "c2")
+    checkout_dir(repo, c2.id, tmp_path / "c2")
     assert (tmp_path / "c2" / "pages.img").read_bytes() == bytes(pages)
-    assert repo.check(read_data=True).ok
+    assert check(repo, read_data=True).ok
     fetch_commit_data(repo, remote, c1.id)
-    repo.checkout_dir(c1.id, tmp_path / "c1")
+    checkout_dir(repo, c1.id, tmp_path / "c1")
     assert (tmp_path / "c1" / "pages.img").read_bytes() == bytes(
         Path(tmp_path / "a" / "pages.img").read_bytes())
 
@@ -158,7 +161,7 @@ def test_preferred_commits_go_last_and_pinned_never(remote: str, tmp_path: Path)
     report = evict(repo, remote, 0, pinned={c3.id}, preferred={c1.id, c3.id})
     assert report.commits == [c1.id] and "still over the budget" in report.note, report
     assert set(remote_only(repo)) == {c1.id, c2.id}
-    assert repo.check(read_data=True).ok
+    assert check(repo, read_data=True).ok
 
 
 def test_nothing_unpushed_goes_and_a_busy_store_waits(remote: str, tmp_path: Path) -> None:
@@ -229,12 +232,12 @@ def test_background_push_waits_out_a_stopped_server(tmp_path: Path,
             assert not sync.wait_idle(HANG_GUARD)  # a stopping server would not wait it out
             assert server.secret_key not in str(sync.status())
             assert set(remote_only(repo)) == {c1.id}  # c2 is not on the remote: it stays
-            repo.checkout_dir(c2.id, tmp_path / "c2")
+            checkout_dir(repo, c2.id, tmp_path / "c2")
             server.start()
             _poll(lambda: sync.is_pushed(c2.id), "the push resumes")
             assert read_remote_ref(S3Bucket(url), "main")[0] == c2.id
             _poll(lambda: c2.id in remote_only(repo), "c2 evicted once pushed")
-            assert repo.check().ok
+            assert check(repo).ok
         finally:
             sync.stop()
     finally:

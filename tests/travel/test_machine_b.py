@@ -89,10 +89,11 @@ def gpu_variant(store: Path, commit_id: str, work: Path) -> str:
     """A commit of ``commit_id``'s images whose metadata says it holds the state of 8 GPUs
     this VM does not have (as a snapshot of a B200 node would)."""
     from infinijup.store import Repository
+    from infinijup.store.checkout import checkout_dir
 
     with Repository.open(store) as repo:
         src = repo.get_commit(commit_id)
-        repo.checkout_dir(commit_id, work)
+        checkout_dir(repo, commit_id, work)
         meta = json.loads(json.dumps(src.metadata))
         gpus = [{"index": i, "name": "NVIDIA B200", "pci_bus_id": f"0000:{i:02x}:00.0",
                  "uuid": f"GPU-0000000{i}-0000-0000-0000-000000000000",

@@ -3,6 +3,9 @@
 ``cuCheckpointProcessLock`` stops new CUDA work of a process, ``...Checkpoint`` moves its device
 memory to host memory and releases the GPU, ``...Restore`` brings it back and ``...Unlock`` lets
 it run. The driver has no rollback of its own: callers unwind with :func:`resume`.
+
+The helper's own (it imports nothing of the ``infinijup`` package: see
+scripts/install_helper.py); the benchmarks call it too.
 """
 
 from __future__ import annotations
@@ -10,12 +13,17 @@ from __future__ import annotations
 import enum
 from functools import lru_cache
 
-from ..errors import InfinijupError
 
+class CudaError(Exception):
+    """A driver call failed; ``reason`` is a short stable code, as in infinijup/errors.py."""
 
-class CudaError(InfinijupError):
     reason = "cuda_failed"
     http_status = 500
+
+    def __init__(self, message: str, *, reason: str | None = None) -> None:
+        super().__init__(message)
+        if reason is not None:
+            self.reason = reason
 
 
 class CudaState(enum.Enum):

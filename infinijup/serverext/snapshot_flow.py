@@ -1,0 +1,248 @@
+"""A snapshot, step by step: quiesce, plan, dump (the kernel runs again), store, record.
+
+The kernel is frozen only from the dump's start to its end: as soon as CRIU has its images,
+the kernel runs again (resume hooks; ``%snapshot``'s early answer) while the store takes the
+images in, and the answer comes once the commit is durable. PyTorch's GPU segments, moved out
+by the kernel before the dump (gpu_vmm.py), may come back as soon as the helper has given the
+kernel its GPUs back (``GpuGo``).
+
+Each step that changes the kernel leaves an undo: a snapshot that fails at any point leaves the
+kernel running as it was, with its GPU segments and its parent's fingerprints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+from .. import __version__, config
+from ..engine import Head, plan_snapshot
+from ..engine.kernel_channel import run_agent
+from ..engine.lifecycle import HIBERNATED, RUNNING, SNAPSHOTTING, STORING, Operation, Turn
+from ..engine.naming import check_thread_name, notebook_key, notebook_threads, store_thread
+from ..engine.retarget import saved_connection
+from ..engine.steps import Steps
+from ..errors import Conflict, InfinijupError, SnapshotFailed
+from ..gpu import arena as gpu_arena
+from ..kernel_magics import agent
+
+
+class GpuGo:
+    """Tell the kernel, once, that it may map its GPU segments back (from any thread)."""
+
+    def __init__(self, token: str | None) -> None:
+        self.token, self._said, self._lock = token, False, threading.Lock()
+
+    def say(self) -> None:
+        with self._lock:
+            if self.token and not self._said:
+                self._said = True
+                gpu_arena.say_go(self.token)
+
+
+async def snapshot(m, kernel_id: str, *, message: str = "", thread: str | None = None,  # noqa: ANN001
+                   from_kernel: bool = False, execution_count: int | None = None,
+                   described: dict | None = None, request_id: str | None = None,
+                   within: Turn | None = None) -> dict:
+    """Snapshot a kernel (``m`` is the SnapshotManager). ``within``: the turn of a larger move
+    this snapshot is part of (a hibernation), which keeps the kernel's lifecycle state."""
+    km = m.kernel(kernel_id)
+    prov = m.provisioner(km)
+    if m.lifecycle.state(kernel_id) == HIBERNATED:
+        raise Conflict("the kernel is hibernated: its last snapshot is its state (run a cell "
+                       "to wake it)", reason="kernel_hibernated")
+    if thread is not None:
+        check_thread_name(thread)
+    path = await m.notebook_path(kernel_id)
+    turn = within or await m.lifecycle.begin(kernel_id, SNAPSHOTTING)
+    op = Operation("snapshot", kernel_id, path)
+    m.lifecycle.start_operation(op)
+    m.events.end(op, "queued")
+    run = SnapshotRun(m, km, prov, op, turn if within is None else None, path=path,
+                      message=message, thread=thread, from_kernel=from_kernel,
+                      execution_count=execution_count, described=described,
+                      request_id=request_id)
+    try:
+        return await run.run()
+    except InfinijupError as exc:
+        m.events.failed(op, exc)
+        raise
+    finally:
+        m.lifecycle.end_operation(op)
+        if within is None and turn.state != RUNNING:
+            turn.to(RUNNING)
+
+
+class SnapshotRun:
+    def __init__(self, m, km, prov, op: Operation, turn: Turn | None, *, path: str,  # noqa: ANN001
+                 message: str, thread: str | None, from_kernel: bool,
+                 execution_count: int | None, described: dict | None,
+                 request_id: str | None) -> None:
+        self.m, self.km, self.prov, self.op, self.turn = m, km, prov, op, turn
+        self.path, self.message, self.thread = path, message, thread
+        self.from_kernel, self.execution_count = from_kernel, execution_count
+        self.described, self.request_id = described, request_id
+        self.head = m.heads.get(km.kernel_id)
+        self.plan = None
+        self.resumed = False  # the kernel's resume hooks have run
+        self.running_again_s: float | None = None
+        self.t0 = time.perf_counter()
+
+    async def run(self) -> dict:
+        m, op = self.m, self.op
+        async with Steps(m.log) as step:
+            if not self.from_kernel:  # %snapshot quiesced itself before asking
+                m.events.emit(op, "quiesce", 10)
+                info = await step("quiesce", run_agent(self.km, agent.expression("quiesce"),
+                                                       m.busy_timeout),
+                                  undo=self.kernel_goes_on)
+                self.execution_count, self.described = info.get("execution_count"), info
+            t_quiesce = time.perf_counter() - self.t0
+            self.described = agent.commit_metadata(self.described)
+            token = self.described.get("gpu_segments", {}).get("token")
+            gpu = GpuGo(token)
+            await step("gpu_go", undo=lambda: asyncio.to_thread(gpu.say))
+            target = await step("plan", asyncio.to_thread(self.plan_now))
+            extra = self.arena_files()
+
+            m.events.emit(op, "dump", 30)
+            loop = asyncio.get_running_loop()
+            dumped_at: asyncio.Future = loop.create_future()
+
+            def on_dumped(dumped) -> None:  # noqa: ANN001 - in the engine's thread
+                gpu.say()
+                loop.call_soon_threadsafe(dumped_at.set_result, (dumped, self.plan.thread))
+
+            storing = asyncio.ensure_future(asyncio.to_thread(
+                m.engine().snapshot, self.prov.root_pid, message=self.message,
+                on_progress=self.progress(gpu), replan=self.replan, extra_files=extra,
+                on_dumped=on_dumped, **target))
+            await asyncio.wait({dumped_at, storing}, return_when=asyncio.FIRST_COMPLETED)
+            if dumped_at.done():  # the kernel runs again while its images are stored
+                await step("runs_again", self.runs_again(*dumped_at.result()))
+            result = await step("store", storing)
+            if not self.from_kernel and not self.resumed:
+                await self.m.resume_hooks(self.km, restored=False)
+
+        commit = result.commit
+        m.remote_tier.committed(store_thread(notebook_key(self.path), self.plan.thread))
+        m.heads.set(self.km.kernel_id, Head(commit=commit.id, thread=self.plan.thread,
+                                            base_thread=self.plan.thread), self.prov)
+        m.events.emit(op, "done", 100, commit=commit.id, thread=self.plan.thread)
+        stats = {"image_bytes": result.image_bytes, "stored_bytes": result.stored_bytes,
+                 "pause_s": result.pause_s, "quiesce_s": t_quiesce,
+                 "running_again_s": self.running_again_s,
+                 "store_s": result.phases.get("store_s"), "hot": result.hot,
+                 "duration_s": time.perf_counter() - self.t0}
+        for key in ("gpu_release", "gpu_segments"):
+            if self.described.get(key):
+                stats[key] = self.described[key]
+        return {"commit": commit.id, "thread": self.plan.thread,
+                "parents": list(commit.parents), "stats": stats}
+
+    # --- the steps ---------------------------------------------------------------------------
+    def plan_now(self) -> dict:  # in a worker thread
+        repo, km = self.m.repo(), self.km
+        key = notebook_key(self.path)
+        self.plan = plan = plan_snapshot(self.head, notebook_threads(repo.threads(), key),
+                                         self.thread)
+        metadata = {
+            "notebook_path": self.path, "notebook_key": key, "thread": plan.thread,
+            "kernel_id": km.kernel_id, "kernel_name": km.kernel_name,
+            "execution_count": self.execution_count,
+            "connection": saved_connection(km.get_connection_info()),
+            "infinijup_version": __version__, "gpu": None, **(self.described or {}),
+        }
+        return {"thread": store_thread(key, plan.thread), "metadata": metadata,
+                "parents": list(plan.parents), "expected_tip": plan.expected_tip}
+
+    def replan(self, _conflict) -> dict:  # noqa: ANN001 - in the engine's thread
+        """The thread moved meanwhile (someone else snapshotted onto it): the same images go
+        to a new thread."""
+        self.head = Head(commit=self.head.commit, thread=None, base_thread=self.plan.thread)
+        self.thread = None
+        return self.plan_now()
+
+    def arena_files(self) -> dict:
+        """The kernel's GPU segments, moved to its arena before the dump, go with the images."""
+        moved = (self.described or {}).get("gpu_segments", {})
+        if not (moved.get("bytes") or moved.get("segment_bytes")):
+            return {}
+        arena = gpu_arena.segments_path(self.km.kernel_id)
+        if arena is None:
+            raise SnapshotFailed("snapshot failed: the kernel moved its GPU segments, but "
+                                 "this server has no GPU arena", reason="gpu_arena")
+        return {gpu_arena.IMAGE_NAME: arena}
+
+    def progress(self, gpu: GpuGo):
+        """The engine's progress, and the moment the helper gives the kernel its GPUs back
+        (before it checks and publishes the images): the segments may come back then."""
+        report = self.m.events.progress(self.op)
+
+        def on_progress(phase: str, detail: dict) -> None:  # in the engine's thread
+            if phase == "cuda_resume" and detail.get("state") == "done":
+                gpu.say()
+            report(phase, detail)
+
+        return on_progress
+
+    async def runs_again(self, dumped, thread_name: str) -> None:  # noqa: ANN001
+        """Dumped: the kernel goes on while the store takes the images in."""
+        self.running_again_s = time.perf_counter() - self.t0
+        if self.turn is not None:
+            self.turn.to(STORING)  # an operation asked for now waits for the store
+        self.m.events.emit(self.op, "store", 60,
+                           message="the kernel runs again; storing its images")
+        if self.from_kernel:
+            if self.request_id is not None:  # %snapshot returns now (unless it waits: -w)
+                write_result(self.request_id, {
+                    "dumped": True, "thread": thread_name,
+                    "stats": {"image_bytes": dumped.image_bytes, "pause_s": dumped.pause_s}},
+                    suffix=".dumped")
+        else:
+            self.resumed = True
+            await self.m.resume_hooks(self.km, restored=False, committed=False)
+
+    async def kernel_goes_on(self) -> None:
+        """No commit: the kernel keeps its parent's fingerprints, and runs on."""
+        try:
+            await run_agent(self.km, agent.expression("forget"), self.m.busy_timeout)
+        except InfinijupError:
+            pass
+        if not self.resumed:
+            await self.m.resume_hooks(self.km, restored=False)
+
+
+def write_result(request_id: str, out: dict, suffix: str = "") -> None:
+    """Where a kernel waits for the answer to what it asked (``%snapshot``)."""
+    directory = Path(os.environ.get(config.RESULTS_DIR_ENV) or config.results_dir())
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = directory / f".{request_id}{suffix}.tmp"
+    tmp.write_text(json.dumps(out))
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, directory / f"{request_id}{suffix}.json")
+
+
+async def snapshot_for_kernel(m, kernel_id, message, thread, request_id,  # noqa: ANN001
+                              execution_count, described=None) -> dict:
+    """A snapshot the kernel asked for (``%snapshot``): it waits on a result file."""
+    m.kernel(kernel_id)
+
+    async def run() -> None:
+        try:
+            out = await snapshot(m, kernel_id, message=message, thread=thread,
+                                 from_kernel=True, execution_count=execution_count,
+                                 described=described, request_id=request_id)
+        except InfinijupError as exc:
+            out = {"error": {"message": exc.message, "reason": exc.reason}}
+        except Exception as exc:  # the kernel is waiting: it must hear back
+            m.log.exception("infinijup: snapshot for kernel failed")
+            out = {"error": {"message": str(exc), "reason": "internal_error"}}
+        write_result(request_id, out)
+
+    m.spawn(run())
+    return {"request_id": request_id}
