@@ -5,10 +5,14 @@ websocket, as a user meets them: the time of the first answered cell after
 - a hibernation (snapshot to the store, process ended; the cell restores it),
 
 for CPU kernels holding 0.1 / 1 / 4 GiB of array data and GPU kernels holding 2 / 8 / 20 GB of
-VRAM. Also the time the hibernation and the release themselves take. Prints a markdown table
-(medians of --repeat). Run as root with CRIU and the venv in place:
+VRAM. Also the time the hibernation and the release themselves take. GPU kernels are measured
+once per release path, side by side in one run (``--paths``): ``arena`` (PyTorch's segments
+through the kernel's VMM arena, the driver's checkpoint for the rest: the default) and ``driver``
+(the driver's checkpoint for everything). Prints a markdown table (medians of --repeat). Run as
+root with CRIU and the venv in place:
 
     python bench/wake_bench.py [--cpu-mib 100 1024 4096] [--gpu-gb 2 8 20] [--repeat 3]
+                               [--paths arena driver] [--no-hibernate]
 """
 
 from __future__ import annotations
@@ -66,8 +70,9 @@ def post(server: ServerProcess, route: str, kernel_id: str) -> float:
     return time.perf_counter() - t0
 
 
-async def one_size(server: ServerProcess, kind: str, nbytes: int, repeat: int) -> dict:
-    kernel_id = server.open_session(f"bench-{kind}-{nbytes}.ipynb")
+async def one_size(server: ServerProcess, kind: str, nbytes: int, repeat: int,
+                   hibernate: bool = True) -> dict:
+    kernel_id = server.open_session(f"bench-{kind}-{nbytes}-{uuid.uuid4().hex[:6]}.ipynb")
     ws = await server.websocket(kernel_id)
     if kind == "cpu":
         fill = (f"import numpy as np\n"
@@ -83,8 +88,9 @@ async def one_size(server: ServerProcess, kind: str, nbytes: int, repeat: int) -
         if kind == "gpu":
             times["release"].append(post(server, "release", kernel_id))
             times["release_wake"].append(await run_cell(ws, "1"))
-        times["hibernate"].append(post(server, "hibernate", kernel_id))
-        times["hibernate_wake"].append(await run_cell(ws, "1"))
+        if hibernate:
+            times["hibernate"].append(post(server, "hibernate", kernel_id))
+            times["hibernate_wake"].append(await run_cell(ws, "1"))
     ws.close()
     server.request("DELETE", f"/api/kernels/{kernel_id}")
     return {k: statistics.median(v) if v else None for k, v in times.items()}
@@ -96,20 +102,26 @@ async def main_async(args) -> None:
     (base / "helper").mkdir()
     helper.__post_init__()
     helper.start()
-    server = ServerProcess(base / "server", helper.socket_path, str(base / "store"),
-                           base / "notebooks")
-    server.start()
     rows = []
     try:
-        sizes = [("cpu", m * 2**20, f"CPU {m} MiB") for m in args.cpu_mib] + \
-                [("gpu", int(g * 10**9), f"GPU {g} GB") for g in args.gpu_gb]
-        for kind, nbytes, label in sizes:
-            r = await one_size(server, kind, nbytes, args.repeat)
+        runs = [("cpu", m * 2**20, f"CPU {m} MiB", None) for m in args.cpu_mib] + \
+               [("gpu", int(g * 10**9), f"GPU {g} GB, {path}", path)
+                for path in args.paths for g in args.gpu_gb]
+        for n, (kind, nbytes, label, path) in enumerate(runs):
+            # one server per release path, the same helper and machine for all
+            server = ServerProcess(base / f"server-{n}", helper.socket_path,
+                                   str(base / "store"), base / "notebooks",
+                                   manager_config={"gpu_release_through_arena":
+                                                   path != "driver"})
+            server.start()
+            try:
+                r = await one_size(server, kind, nbytes, args.repeat, not args.no_hibernate)
+            finally:
+                server.stop()
             rows.append({"kernel": label, **{k: "-" if v is None else f"{v:.2f} s"
                                              for k, v in r.items()}})
             print(rows[-1], flush=True)
     finally:
-        server.stop()
         helper.stop()
         shutil.rmtree(base, ignore_errors=True)
     print(markdown_table(rows, [("kernel", "kernel"), ("release", "GPU release"),
@@ -123,6 +135,9 @@ def main() -> None:
     p.add_argument("--cpu-mib", type=int, nargs="*", default=[100, 1024, 4096])
     p.add_argument("--gpu-gb", type=float, nargs="*", default=[])
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--paths", nargs="*", default=["arena", "driver"],
+                   choices=["arena", "driver"], help="GPU release paths to compare")
+    p.add_argument("--no-hibernate", action="store_true", help="release and wake only")
     asyncio.run(main_async(p.parse_args()))
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from . import describe, hooks, isolation
+from . import describe, gpu_vmm, hooks, isolation
 
 
 def _shell():
@@ -49,6 +49,34 @@ def quiesce() -> str:
             info.update(describe.describe(ip))
         except Exception as exc:
             info["describe_error"] = f"{type(exc).__name__}: {exc}"
+    return _answer(ip, info)
+
+
+def release() -> str:
+    """An idle kernel gives its GPUs back (serverext/hibernation.py): the quiesce hooks move
+    PyTorch's segments into the arena file at copy-engine speed and release the libraries'
+    caches, so that the helper's driver checkpoint takes only what is left (the CUDA context,
+    other libraries' memory). ``resume`` brings the segments back once the server says go."""
+    ip = _shell()
+    try:
+        info = hooks.run_quiesce()
+    except Exception as exc:
+        info = {"hook_errors": [str(exc)]}
+    return _answer(ip, info)
+
+
+def wake() -> str:
+    """After ``release`` and the helper's reacquire: the segments back from the arena file, the
+    resume hooks, then the file's pages back to host memory (gpu_vmm.drop_arena)."""
+    ip = _shell()
+    try:
+        info = hooks.run_resume(False)
+    except Exception as exc:
+        info = {"hook_errors": [str(exc)]}
+    try:
+        gpu_vmm.drop_arena()
+    except Exception as exc:
+        info.setdefault("hook_errors", []).append(f"arena: {exc}")
     return _answer(ip, info)
 
 

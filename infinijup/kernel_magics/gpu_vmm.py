@@ -106,6 +106,9 @@ def offload() -> dict | None:
         lock = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
+            short = _arena_short(lock, os.path.dirname(path), vmm.stats()["on_gpu"])
+            if short is not None:  # the driver path takes it: never a SIGBUS in the kernel
+                return {"fallback": short}
             identity = _identity(lock)
             if identity != _state["hashed_file"]:
                 before = None  # another file: nothing in it can be skipped
@@ -130,6 +133,19 @@ def offload() -> dict | None:
         out["hash_s"] = round(changed_s, 3)
     out.update(vmm.timings())
     return out
+
+
+def _arena_short(fd: int, directory: str, need: int) -> str | None:
+    """Why the arena cannot take ``need`` more bytes now (None: it can). The arena is a tmpfs
+    with a quota (the helper's ``--gpu-arena-quota``), and its file is written through a
+    shared mapping: a page past the quota would kill the kernel with SIGBUS, so the room is
+    looked at first (the pages the file already has count as room)."""
+    fs = os.statvfs(directory)
+    room = fs.f_bavail * fs.f_frsize + os.fstat(fd).st_blocks * 512
+    if need <= room:
+        return None
+    return (f"the GPU arena has {room / 1e9:.1f} GB of room, the segments need "
+            f"{need / 1e9:.1f} GB")
 
 
 def _identity(fd: int) -> tuple[int, int]:
@@ -219,6 +235,25 @@ def bring_back(restored: bool = False, source: str | None = None) -> dict | None
     moved = vmm.wake_from(path)
     _state["in_file"] = _state["token"] = None
     return {"bytes": moved, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def drop_arena() -> None:
+    """After a wake from a release: the segments are back on the GPU, and the arena file's
+    copy of them would hold as much host memory for nothing while the kernel runs; its pages
+    go back (the next snapshot or release copies every live range again)."""
+    path = arena_path()
+    if not _state["installed"] or _state["token"] is not None or path is None:
+        return
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # never under a snapshot the server still stores
+        os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)
+    _state["hashes"] = _state["hashed_file"] = None
 
 
 def before_cell(*_args) -> None:

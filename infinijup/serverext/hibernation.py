@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..engine.lifecycle import HIBERNATED, HIBERNATING, RELEASED, RELEASING, RUNNING, WAKING
+from ..engine.steps import Steps
 from ..errors import Conflict, InfinijupError, NotFound
 from ..gpu.room_plan import Candidate, margin_for, plan_room, release_refusal
 from .restore_flow import restore
@@ -44,6 +45,7 @@ class Rest:
     wake: asyncio.Future | None = None
     entered: asyncio.Event = field(default_factory=asyncio.Event)  # into rest, or gave up
     vram: dict[str, int] = field(default_factory=dict)  # a released kernel's bytes, by GPU
+    token: str | None = None  # a released kernel's segments in its arena wait for this word
 
 
 class Hibernation:
@@ -177,7 +179,7 @@ class Hibernation:
                                   margin_for(total))
             if why is not None:
                 raise Conflict(why, reason="no_host_memory")
-            detail = await m.release_gpu(kernel_id)
+            detail = await self._release_steps(kernel_id, rest)
         except BaseException as exc:
             self.rests.pop(kernel_id, None)
             rest.entered.set()
@@ -190,6 +192,18 @@ class Hibernation:
         m.events.end(event, "done", kernel_state=RELEASED)
         return {"kernel_id": kernel_id, "state": RELEASED, "gpu": detail}
 
+    async def _release_steps(self, kernel_id: str, rest: Rest) -> dict:
+        """PyTorch's segments into the kernel's arena file at copy-engine speed, then the
+        driver's checkpoint of what is left; a failure brings the segments back."""
+        m = self.manager
+        async with Steps(m.log) as step:
+            moved = await step("offload", m.offload_gpu(kernel_id),
+                               undo=lambda: m.bring_back_gpu(kernel_id, rest.token))
+            rest.token = moved.get("token")
+            detail = await step("driver", m.release_gpu(kernel_id))
+        return {**detail, "arena": {k: moved[k] for k in ("bytes", "seconds", "fallback")
+                                    if k in moved}}
+
     async def _wake(self, kernel_id: str, rest: Rest) -> None:
         m = self.manager
         before = self.lifecycle.state(kernel_id)
@@ -201,6 +215,11 @@ class Hibernation:
             if before == RELEASED:
                 await self._make_room(kernel_id, rest.vram)
                 await m.reacquire_gpu(kernel_id)
+                back = await m.bring_back_gpu(kernel_id, rest.token)
+                if any(str(e).startswith("GPU segments") for e in back.get("hook_errors", ())):
+                    m.log.warning("infinijup: kernel %s woke, but its GPU segments did not "
+                                  "come back yet (its next cell tries again): %s", kernel_id,
+                                  back["hook_errors"])
             else:  # from its snapshot, in its own session
                 await restore(m, kernel_id, rest.commit, within=turn)
         except BaseException as exc:

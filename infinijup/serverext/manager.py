@@ -30,6 +30,7 @@ from ..engine.hot_tier import default_budget
 from ..engine.kernel_channel import run_agent
 from ..engine.lifecycle import RELEASED, RUNNING, Lifecycle, Operation
 from ..errors import BadRequest, Conflict, InfinijupError, NotFound, PreflightRefused
+from ..gpu import arena as gpu_arena
 from ..gpu import room, room_plan
 from ..helper_client import HelperClient
 from ..kernel_magics import agent
@@ -73,6 +74,11 @@ class SnapshotManager(LoggingConfigurable):
                                         "kernels holding memory there first (never a busy "
                                         "one). Off: the wake fails with the reason."
                              ).tag(config=True)
+    gpu_release_through_arena = Bool(True, help="Release and wake move PyTorch's GPU memory "
+                                                "through the kernel's VMM arena at copy-engine "
+                                                "speed; the driver's checkpoint takes the rest. "
+                                                "Off: the driver's checkpoint takes all of it."
+                                      ).tag(config=True)
     idle_check_interval = Float(10.0, help="Seconds between two checks for idle kernels."
                                 ).tag(config=True)
     remote = Unicode(help="A remote store, s3://bucket/prefix, that every new commit is pushed "
@@ -326,8 +332,35 @@ class SnapshotManager(LoggingConfigurable):
         return room_plan.host_memory()
 
     async def release_gpu(self, kernel_id: str) -> dict:
+        """The helper's driver checkpoint of what is on the kernel's GPUs (after
+        ``offload_gpu``: only what PyTorch's allocator does not cover)."""
         prov = self.provisioner(self.kernel(kernel_id))
         return await asyncio.to_thread(self.engine().release_gpu, prov.root_pid)
+
+    async def offload_gpu(self, kernel_id: str) -> dict:
+        """The kernel moves PyTorch's GPU segments into its arena file (host memory) at
+        copy-engine speed (gpu_vmm.py); ``{}`` where it has none or takes the driver path
+        (``{"fallback": why}``)."""
+        if not self.gpu_release_through_arena:
+            return {}
+        info = await run_agent(self.kernel(kernel_id), agent.expression("release"),
+                               self.busy_timeout)
+        return info.get("gpu_segments") or {}
+
+    async def bring_back_gpu(self, kernel_id: str, token: str | None) -> dict:
+        """After ``reacquire_gpu`` (or a failed release): the kernel maps its segments back
+        from its arena file and runs its resume hooks."""
+        if token:
+            await asyncio.to_thread(gpu_arena.say_go, token)
+        t0 = time.perf_counter()
+        try:
+            info = await run_agent(self.kernel(kernel_id),
+                                   agent.expression("wake"),
+                                   self.busy_timeout)
+        finally:
+            if token:
+                await asyncio.to_thread(gpu_arena.forget_go, token)
+        return {**info, "seconds": round(time.perf_counter() - t0, 3)}
 
     async def reacquire_gpu(self, kernel_id: str) -> dict:
         prov = self.provisioner(self.kernel(kernel_id))

@@ -112,6 +112,12 @@ class FakeGpuServer:
     def host_memory(self):
         return self.available, 128 * GIB
 
+    async def offload_gpu(self, kernel_id):  # the arena's part of a release: none here
+        return {}
+
+    async def bring_back_gpu(self, kernel_id, token):
+        return {}
+
     async def release_gpu(self, kernel_id):
         for g, n in self.held.pop(kernel_id).items():
             self.free[g] += n

@@ -156,3 +156,31 @@ def test_the_helpers_huge_page_arena_is_taken_only_when_it_is_this_users(tmp_pat
     mine.rmdir()
     mine.symlink_to(tmp_path)
     assert str(arena.root()) == shm
+
+
+def test_a_release_or_snapshot_the_arena_cannot_hold_takes_the_driver_path(tmp_path):
+    """The arena file is written through a shared mapping: past the tmpfs quota a page would
+    kill the kernel with SIGBUS, so the kernel looks at the room first (issue 27). On a tmpfs
+    of its own (8 MiB), as the helper mounts one per user."""
+    import os
+    import subprocess
+
+    from infinijup.kernel_magics.gpu_vmm import _arena_short
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (make test runs as root)")
+    arena = tmp_path / "arena"
+    arena.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", str(arena)],
+                   check=True)
+    try:
+        fd = os.open(arena / "segments", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, b"x" * (6 << 20))  # 6 of the 8 MiB: pages the file has count as room
+            assert _arena_short(fd, str(arena), 8 << 20) is None
+            why = _arena_short(fd, str(arena), 9 << 20)
+            assert why is not None and "of room, the segments need" in why
+        finally:
+            os.close(fd)
+    finally:
+        subprocess.run(["umount", str(arena)], check=True)

@@ -72,6 +72,49 @@ async def test_idle_policy_releases_the_gpu_and_the_next_cell_brings_it_back(
     assert _held(jp_serverapp, nb) > 2 * 2**30
 
 
+async def test_a_release_moves_pytorchs_memory_through_the_arena(notebook, jp_serverapp):
+    """Issue 27: PyTorch's segments leave through the kernel's VMM arena (copy-engine speed),
+    the driver's checkpoint takes only the rest, and the next cell finds every byte back."""
+    nb = notebook
+    await nb.execute(FILL.format(seed=3, n=4 * 2**30), timeout=600)
+    await _idle_everywhere(jp_serverapp, nb)
+    r = await nb.post("release", {"kernel_id": nb.kernel_id})
+    assert r.code == 200, r.body
+    released = json.loads(r.body)
+    assert released["state"] == "released"
+    assert released["gpu"]["arena"]["bytes"] >= 4 * 2**30, released  # not the driver's copy
+    assert _held(jp_serverapp, nb) == 0
+    t0 = time.perf_counter()
+    assert await nb.value(CHECK) is True
+    print(f"\nrelease of 4 GiB through the arena: {released['gpu']['arena']['seconds']:.2f} s "
+          f"moved; first cell after it answered in {time.perf_counter() - t0:.2f} s")
+    assert await _state(nb) == "running"
+    assert _held(jp_serverapp, nb) > 4 * 2**30
+
+
+async def test_a_release_the_driver_refuses_leaves_the_kernel_running_with_its_memory(
+        notebook, jp_serverapp, monkeypatch):
+    """The segments are in the arena when the driver's step fails: they come back, and the
+    kernel runs on as it was, on the GPU."""
+    nb = notebook
+    await nb.execute(FILL.format(seed=4, n=2**30), timeout=600)
+    manager = jp_serverapp.web_app.settings["infinijup_manager"]
+    seen = {}
+
+    async def driver_refuses(kernel_id):
+        seen["held"] = _held(jp_serverapp, nb)  # the offload has run: the segments are out
+        raise RuntimeError("the driver refused the checkpoint")
+
+    monkeypatch.setattr(manager, "release_gpu", driver_refuses)
+    await _idle_everywhere(jp_serverapp, nb)
+    r = await nb.post("release", {"kernel_id": nb.kernel_id})
+    assert r.code >= 400, r.body
+    assert seen["held"] < 2**30  # the segments had left for the arena
+    assert await _state(nb) == "running"
+    assert _held(jp_serverapp, nb) > 2**30  # back on the GPU, before any cell
+    assert await nb.value(CHECK) is True
+
+
 async def test_two_kernels_of_sixty_percent_alternate(jp_fetch, jp_ws_fetch, jp_serverapp,
                                                       infinijup_kernelspec):
     from infinijup.gpu.room import free_by_gpu
