@@ -5,7 +5,14 @@ small buffers, and the user's objects are only looked at (type, size, shape, ide
 of small arrays). The result goes into the commit's metadata::
 
     "cell": {"execution_count": int | None, "source": "<first line, <= 200 chars>"}
-    "variables": {"items": [{"name", "type", "size", "shape", "fp", "changed"}], "truncated"}
+    "variables": {"items": [{"name", "type", "size", "shape", "fp", "changed", "value"}],
+                  "truncated"}
+
+``value`` (where it is cheap and safe) is what Compare shows: the ``repr`` of a number, a short
+string or a small container of such (builtin types only: no user ``__repr__`` runs), cut to 60
+characters, and for a numeric numpy array of at most a million elements its min, max and mean.
+Variables whose name says they hold a secret (password, token, secret, key, credential) never
+get one.
 
 ``fp`` is a change fingerprint: equal fingerprints mean "treat as unchanged". It hashes the
 bytes of small arrays, strings and bytes (and samples of large contiguous arrays), the columns
@@ -136,9 +143,51 @@ def _describe_value(name: str, value: object, libs: _Libraries, budget: list[int
     except Exception:  # an odd object: identity alone
         size, shape, fp = _object_size(value, t), None, _digest(t, b"id", id(value)) + PARTIAL
     item = {"name": name, "type": t.__name__, "size": int(size), "shape": shape, "fp": fp}
+    try:
+        shown = preview(name, value, t, libs)
+    except Exception:  # a preview is a courtesy: never a reason to fail a snapshot
+        shown = None
+    if shown is not None:
+        item["value"] = shown
     if fp.endswith(PARTIAL):
         item["partial"] = True  # too large to look at fully: "unchanged" may miss a change
     return item
+
+
+MAX_PREVIEW = 60
+MAX_PREVIEW_ITEMS = 10
+MAX_STATS_ELEMENTS = 1_000_000
+_SECRET_WORDS = ("pass", "pwd", "token", "secret", "key", "cred", "auth")
+_PLAIN = (bool, int, float, complex, str, bytes, type(None))
+
+
+def _plain(value: object, depth: int = 0) -> bool:
+    """A value of builtin types only, small enough that its repr is cheap and runs no user
+    code."""
+    t = type(value)
+    if t in _PLAIN:
+        return not (t in (str, bytes) and len(value) > 4 * MAX_PREVIEW)
+    if t in (list, tuple, set, frozenset) and depth < 2 and len(value) <= MAX_PREVIEW_ITEMS:
+        return all(_plain(v, depth + 1) for v in value)
+    if t is dict and depth < 2 and len(value) <= MAX_PREVIEW_ITEMS:
+        return all(_plain(k, depth + 1) and _plain(v, depth + 1) for k, v in value.items())
+    return False
+
+
+def preview(name: str, value: object, t: type, libs: _Libraries) -> str | None:
+    """A short view of ``value`` for Compare, or None (see the module's docstring)."""
+    lowered = name.lower()
+    if any(word in lowered for word in _SECRET_WORDS):
+        return None
+    if _is(t, libs.ndarray):
+        if value.size == 0 or value.size > MAX_STATS_ELEMENTS or value.dtype.kind not in "biuf":
+            return None
+        return (f"min {value.min().item():.4g}, max {value.max().item():.4g}, "
+                f"mean {value.mean().item():.4g}")
+    if not _plain(value):
+        return None
+    text = repr(value)
+    return text if len(text) <= MAX_PREVIEW else text[:MAX_PREVIEW - 1] + "…"
 
 
 def _measure(value: object, t: type, libs: _Libraries, budget: list[int]):

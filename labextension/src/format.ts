@@ -1,7 +1,7 @@
 /** Small formatting helpers (pure). */
 
 import { cellLabel, changedVariables, commitTitle } from './commits';
-import type { ICommit } from './types';
+import type { ICommit, IVariableInfo } from './types';
 
 /** The first 8 hex digits of a commit id. */
 export function shortId(id: string | null | undefined): string {
@@ -143,4 +143,13 @@ export function commitTooltip(commit: ICommit): string {
  */
 export function isValidThreadName(name: string): boolean {
   return /^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$/.test(name) && !name.includes('--');
+}
+
+/**
+ * One variable as Compare shows it: "111 (int, 28 B)" where its value was recorded, else
+ * "int, 28 B" (with the shape of arrays and containers).
+ */
+export function describeVariable(v: IVariableInfo): string {
+  const kind = `${v.type}${v.shape ? ` ${v.shape}` : ''}, ${formatBytes(v.size)}`;
+  return v.value ? `${v.value} (${kind})` : kind;
 }

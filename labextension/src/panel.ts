@@ -28,6 +28,7 @@ import {
   variablesOf
 } from './commits';
 import {
+  describeVariable,
   formatAge,
   formatBytes,
   formatDate,
@@ -717,9 +718,7 @@ export namespace HistoryPanel {
 
 /** "DataFrame (1000, 3), 24 KiB" */
 function describeVar(v: IVariableInfo): string {
-  return esc(
-    `${v.type}${v.shape ? ` ${v.shape}` : ''}, ${formatBytes(v.size)}`
-  );
+  return esc(describeVariable(v));
 }
 
 function variableTable(items: readonly IVariableInfo[]): string {

@@ -69,6 +69,8 @@ export interface IVariableInfo {
   fp: string;
   /** Changed since the parent commit (or new). */
   changed: boolean;
+  /** A short view of a small value (repr, cut; an array's min, max, mean), where recorded. */
+  value?: string;
 }
 
 /** `metadata.variables`. */

@@ -2,6 +2,7 @@ import { Widget } from '@lumino/widgets';
 
 import {
   commitTooltip,
+  describeVariable,
   formatAge,
   formatBytes,
   formatSeconds,
@@ -17,6 +18,30 @@ import type { IHistory, IInfinijupAPI } from '../src/types';
 import { commit, linearHistory } from './synthetic';
 
 describe('format', () => {
+  it('shows a variable with its value where one was recorded (issue 28)', () => {
+    const counter = {
+      name: 'counter',
+      type: 'int',
+      size: 28,
+      shape: null,
+      fp: 'x',
+      changed: true
+    };
+    expect(describeVariable(counter)).toBe('int, 28 B');
+    expect(describeVariable({ ...counter, value: '111' })).toBe(
+      '111 (int, 28 B)'
+    );
+    expect(
+      describeVariable({
+        ...counter,
+        type: 'ndarray',
+        shape: '(1000,)',
+        size: 8000,
+        value: 'min 0, max 999, mean 499.5'
+      })
+    ).toBe('min 0, max 999, mean 499.5 (ndarray (1000,), 7.81 KiB)');
+  });
+
   it('formats sizes, durations, ages and ids', () => {
     expect(formatBytes(0)).toBe('0 B');
     expect(formatBytes(1536)).toBe('1.50 KiB');

@@ -75,7 +75,7 @@ ns.update(small=np.arange(1000), big=np.zeros(2**21), fortran=np.asfortranarray(
           lst=[1, "a", 2.5], tup=(1, 2), dct={"k": [1]}, text="t" * 10, num=10**30,
           guarded=Guarded(), _hidden=1, grid=[[1, 2], [3, 4]], same={"k": [1]},
           box=types.SimpleNamespace(items=[1], arr=np.arange(4)), huge=list(range(5000)),
-          cyc=[])
+          cyc=[], api_token="s3cr3t", counter=111)
 ns["cyc"].append(ns["cyc"])  # a cycle is walked once
 def run():
     d = describe.describe(ip)
@@ -109,12 +109,21 @@ def test_variable_descriptions_and_fingerprints():
     cell, first, truncated = out["first"]
     assert cell == {"execution_count": 1, "source": "import numpy as np"} and not truncated
     assert set(first) == {"small", "big", "fortran", "strided", "objs", "lst", "tup", "dct", "text",
-                          "num", "guarded", "grid", "same", "box", "huge", "cyc"}  # no modules,
+                          "num", "guarded", "grid", "same", "box", "huge", "cyc", "api_token",
+                          "counter"}  # no modules,
     # no _names, no In/Out; a variable too large to walk whole says so
     assert first["huge"]["partial"] is True and "partial" not in first["grid"]
     assert all(it["changed"] for it in first.values())
     assert first["small"] | {"fp": ""} == {"name": "small", "type": "ndarray", "size": 8000,
-                                             "shape": "(1000,)", "fp": "", "changed": True}
+                                             "shape": "(1000,)", "fp": "", "changed": True,
+                                             "value": "min 0, max 999, mean 499.5"}
+    # what Compare shows (issue 28): small builtin values, cut; never a user __repr__, a
+    # container too large, an object array, or a variable whose name says it is a secret
+    assert first["counter"]["value"] == "111" and first["lst"]["value"] == "[1, 'a', 2.5]"
+    assert first["dct"]["value"] == "{'k': [1]}" and first["text"]["value"] == repr("t" * 10)
+    assert first["num"]["value"] == repr(10**30)
+    assert not {"guarded", "huge", "objs", "api_token", "cyc", "box"} & \
+        {n for n, it in first.items() if "value" in it}
     assert first["lst"]["shape"] == "len 3" and first["num"]["shape"] is None
     assert first["guarded"]["type"] == "Guarded" and first["guarded"]["size"] > 0  # no user code
     _, second, _ = out["second"]
@@ -122,6 +131,7 @@ def test_variable_descriptions_and_fingerprints():
     # equal numbers, strings and containers of them: unchanged.
     assert {n for n, it in second.items() if it["changed"]} == \
         {"small", "big", "fortran", "strided", "dct", "grid", "box"}
+    assert second["dct"]["value"] == "{'k': [1, 2]}" and second["grid"]["value"] == "[[1, 2], [7, 4]]"
     # huge (5000 items, past what is walked) changed at its end: not seen, and marked partial
     assert not second["huge"]["changed"] and second["huge"]["partial"]
     _, after, _ = out["after_forget"]
