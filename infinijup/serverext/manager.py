@@ -17,6 +17,7 @@ kernel is dumped. docs/architecture.md draws the path of a snapshot and of a res
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -120,6 +121,7 @@ class SnapshotManager(LoggingConfigurable):
         super().__init__(**kwargs)
         self.serverapp = serverapp
         self._repo: Repository | None = None
+        self._repo_lock = threading.Lock()
         self._tasks: set[asyncio.Task] = set()
         self.lifecycle = Lifecycle(on_move=self._moved)
         self.events = Events(serverapp, self.log)
@@ -225,9 +227,11 @@ class SnapshotManager(LoggingConfigurable):
         return self.serverapp.kernel_manager
 
     def repo(self) -> Repository:
-        if self._repo is None:
-            self._repo = Repository.open_or_init(Path(self.store_path))
-        return self._repo
+        """The store, opened once (flows call this from worker threads too: one opener)."""
+        with self._repo_lock:
+            if self._repo is None:
+                self._repo = Repository.open_or_init(Path(self.store_path))
+            return self._repo
 
     def engine(self) -> SnapshotEngine:
         return SnapshotEngine(self.repo(), HelperClient(config.helper_socket()),
