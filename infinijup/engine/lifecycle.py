@@ -128,8 +128,10 @@ class Lifecycle:
         return self.state(kernel_id) in RESTING | {RESTORING}
 
     def busy(self, kernel_id: str) -> bool:
-        """Something is under way or pending for it (the idle policy leaves it be)."""
-        return self.state(kernel_id) != RUNNING or self.operation(kernel_id) is not None
+        """Something is under way or pending for it (the idle policy leaves it be): any state
+        but running or released, or an operation."""
+        return self.state(kernel_id) not in (RUNNING, RELEASED) or \
+            self.operation(kernel_id) is not None
 
     def no_process_on_purpose(self, kernel_id: str) -> bool:
         """Its process is gone or replaced on purpose: jupyter_client's restarter must not
@@ -150,6 +152,9 @@ class Lifecycle:
         if state not in MOVES[k.state]:
             raise Conflict(f"the kernel is {k.state}: it cannot go {state} now",
                            reason=f"kernel_{k.state}")
+        self._set(kernel_id, k, state)
+
+    def _set(self, kernel_id: str, k: _Kernel, state: str) -> None:
         old, k.state = k.state, state
         k.moved.set()
         k.moved = asyncio.Event()
@@ -163,18 +168,13 @@ class Lifecycle:
         k = self._k(kernel_id)
         if k.state != RUNNING or k.operation is not None:
             raise Conflict(f"the kernel is {k.state}", reason=f"kernel_{k.state}")
-        k.state = HIBERNATED
-        k.moved.set()
-        k.moved = asyncio.Event()
-        if self._on_move is not None:
-            self._on_move(kernel_id, RUNNING, HIBERNATED)
+        self._set(kernel_id, k, HIBERNATED)  # a move MOVES does not allow any other way
 
     async def begin(self, kernel_id: str, state: str) -> Turn:
         """Start a move. A kernel whose snapshot is being stored finishes that first; a kernel
         in the middle of another operation refuses (409)."""
+        await self.stored(kernel_id)
         k = self._k(kernel_id)
-        while k.state == STORING:
-            await self.settled(kernel_id)
         if state not in MOVES[k.state]:
             if k.operation is not None:
                 raise Conflict(f"a {k.operation.op} of this kernel is already running "
@@ -183,18 +183,10 @@ class Lifecycle:
         self.move(kernel_id, state)
         return turn
 
-    async def settled(self, kernel_id: str) -> None:
-        """Wait for the next move of this kernel (returns at once if it is running with
-        nothing pending)."""
-        k = self._kernels.get(kernel_id)
-        if k is None or (k.state == RUNNING and k.operation is None):
-            return
-        await k.moved.wait()
-
     async def stored(self, kernel_id: str) -> None:
         """Wait while a snapshot the kernel has gone on from is being stored."""
         while self.state(kernel_id) == STORING:
-            await self.settled(kernel_id)
+            await self._kernels[kernel_id].moved.wait()
 
     # --- the operation record ------------------------------------------------------------------
     def start_operation(self, op: Operation) -> None:

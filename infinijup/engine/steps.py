@@ -6,8 +6,7 @@
 
 A step that succeeds may leave an undo (a callable, sync or async). If a later step fails, the
 undos of the steps done so far run newest first, then the failure goes on up; an undo that
-fails is logged and never hides the cause. ``step.keep(name)`` drops a step's undo once what it
-did must stay (say, the kernel runs again and its resume hooks have run).
+fails is logged and never hides the cause.
 """
 
 from __future__ import annotations
@@ -33,9 +32,6 @@ class Steps:
         if undo is not None:
             self._undo.append((name, undo))
         return result
-
-    def keep(self, name: str) -> None:
-        self._undo = [(n, u) for n, u in self._undo if n != name]
 
     async def unwind(self) -> None:
         while self._undo:

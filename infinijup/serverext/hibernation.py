@@ -27,7 +27,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..engine.lifecycle import HIBERNATED, HIBERNATING, RELEASED, RELEASING, RUNNING, WAKING
+from ..engine.lifecycle import (
+    HIBERNATED,
+    HIBERNATING,
+    RELEASED,
+    RELEASING,
+    RUNNING,
+    WAKING,
+    Operation,
+)
 from ..engine.steps import Steps
 from ..errors import Conflict, InfinijupError, NotFound
 from ..gpu.room_plan import Candidate, margin_for, plan_room, release_refusal
@@ -67,9 +75,6 @@ class Hibernation:
         restore replaces its process: a cell must not run before its GPU memory is back)."""
         return self.lifecycle.holds(kernel_id)
 
-    def state(self, kernel_id: str) -> str:
-        return self.lifecycle.shown(kernel_id)
-
     async def claim_record(self, kernel_id: str) -> None:
         """A kernel's websocket opens: if its notebook was hibernated by an earlier server and
         this kernel is new (nothing snapshotted or restored in it yet), it stands in for that
@@ -97,7 +102,7 @@ class Hibernation:
         """Wake the kernel (once, however many ask); the future is done when it answers."""
         rest = self.rests.get(kernel_id)
         state = self.lifecycle.state(kernel_id)
-        if rest is None or state not in (RELEASING, RELEASED, HIBERNATING, HIBERNATED, WAKING):
+        if rest is None or not self.lifecycle.resting(kernel_id):
             done = asyncio.get_running_loop().create_future()
             done.set_result(None)
             return done
@@ -137,7 +142,7 @@ class Hibernation:
         # the snapshot and the end of the process
         turn = await self.lifecycle.begin(kernel_id, HIBERNATING)
         self.rests[kernel_id] = rest = Rest()
-        event = m.event_operation(kernel_id, "hibernate")
+        event = Operation("hibernate", kernel_id)
         m.events.end(event, "queued", kernel_state=HIBERNATING)
         try:
             snap = await snapshot(m, kernel_id, message=f"hibernated ({reason})", within=turn)
@@ -170,7 +175,7 @@ class Hibernation:
         await m.wait_idle(km)
         turn = await self.lifecycle.begin(kernel_id, RELEASING)
         self.rests[kernel_id] = rest = Rest()
-        event = m.event_operation(kernel_id, "release")
+        event = Operation("release", kernel_id)
         try:
             rest.vram = await m.gpu_held(kernel_id)
             # its GPU memory goes to host memory: only if that holds it (room_plan.py)
@@ -208,7 +213,7 @@ class Hibernation:
         m = self.manager
         before = self.lifecycle.state(kernel_id)
         turn = await self.lifecycle.begin(kernel_id, WAKING)
-        event = m.event_operation(kernel_id, "wake")
+        event = Operation("wake", kernel_id)
         m.events.end(event, "queued", kernel_state=WAKING)
         t0 = time.perf_counter()
         try:

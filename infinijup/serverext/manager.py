@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-import uuid
 from pathlib import Path
 
 from traitlets import Bool, Float, Integer, Unicode, default, observe
@@ -29,7 +28,7 @@ from .. import config
 from ..engine import SnapshotEngine
 from ..engine.hot_tier import default_budget
 from ..engine.kernel_channel import run_agent
-from ..engine.lifecycle import RELEASED, RUNNING, Lifecycle, Operation
+from ..engine.lifecycle import RUNNING, Lifecycle
 from ..errors import BadRequest, Conflict, InfinijupError, NotFound, PreflightRefused
 from ..gpu import arena as gpu_arena
 from ..gpu import room, room_plan
@@ -193,7 +192,7 @@ class SnapshotManager(LoggingConfigurable):
     async def wake(self, kernel_id: str) -> dict:
         self.kernel(kernel_id)
         await self.hibernation.wake_soon(kernel_id)
-        return {"kernel_id": kernel_id, "state": self.hibernation.state(kernel_id)}
+        return {"kernel_id": kernel_id, "state": self.lifecycle.shown(kernel_id)}
 
     async def status(self, kernel_id: str | None) -> dict:
         if not kernel_id:
@@ -288,10 +287,6 @@ class SnapshotManager(LoggingConfigurable):
         except InfinijupError as exc:
             self.log.warning("infinijup: resume hooks of %s: %s", km.kernel_id, exc.message)
 
-    def event_operation(self, kernel_id: str, op: str) -> Operation:
-        """The event record of a hibernation, release or wake (kept by no table)."""
-        return Operation(op, kernel_id, op_id=uuid.uuid4().hex)
-
     def spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
@@ -310,9 +305,7 @@ class SnapshotManager(LoggingConfigurable):
             km = self.kernel_manager.get_kernel(kernel_id)
             if not isinstance(getattr(km, "provisioner", None), InfinijupProvisioner):
                 continue
-            if self.lifecycle.state(kernel_id) not in (RUNNING, RELEASED) or \
-                    self.lifecycle.operation(kernel_id) is not None or \
-                    getattr(km, "execution_state", "") != "idle":
+            if self.lifecycle.busy(kernel_id) or getattr(km, "execution_state", "") != "idle":
                 continue
             last = getattr(km, "last_activity", None)
             if last is not None:

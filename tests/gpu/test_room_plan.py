@@ -11,7 +11,7 @@ import logging
 
 import pytest
 
-from infinijup.engine.lifecycle import RELEASED, RELEASING, RUNNING, Lifecycle, Operation
+from infinijup.engine.lifecycle import RELEASED, RELEASING, RUNNING, Lifecycle
 from infinijup.errors import Conflict
 from infinijup.gpu.room_plan import (
     GIB,
@@ -93,9 +93,6 @@ class FakeGpuServer:
 
     async def wait_idle(self, km):
         return None
-
-    def event_operation(self, kernel_id, op):
-        return Operation(op, kernel_id)
 
     async def notebook_path(self, kernel_id):
         return f"{kernel_id}.ipynb"
