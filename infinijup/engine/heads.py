@@ -3,6 +3,10 @@
 - Snapshots go on the kernel's current thread (``main`` by default).
 - After a restore of a commit that is not its thread's tip, the next snapshot starts a new
   thread, auto-named (``main-1``...) unless the user named one.
+- A fresh kernel (just started or restarted: its state comes from no snapshot) starts a new
+  root: its next snapshot has no parent, on its thread if that has no snapshot yet, else on a
+  new thread next to it. Recording it as a child of the thread's tip would claim it descends
+  from a state it never had (its "deleted" variables were never deleted).
 - A thread moves only by compare-and-swap from the tip we last saw: if someone else moved it
   meanwhile, the snapshot goes on a new thread instead. No operation ever drops a commit.
 """
@@ -45,17 +49,14 @@ def plan_snapshot(head: Head, threads: dict[str, str], requested: str | None) ->
         tip = threads.get(name)
         if tip is None or tip == head.commit:
             return SnapshotPlan(name, parents, tip)
-        if head.commit is None:
-            return SnapshotPlan(name, (tip,), tip)
-        # The named thread has moved elsewhere: never rewrite it, branch next to it.
+        # The named thread has moved elsewhere (or this is a fresh kernel's new root): never
+        # rewrite it, branch next to it.
         return SnapshotPlan(auto_thread_name(name, set(threads)), parents, None)
     name = head.thread
     if name is not None:
         tip = threads.get(name)
         if tip == head.commit or tip is None:
             return SnapshotPlan(name, parents, tip)
-        if head.commit is None:  # a fresh kernel continues its thread's history
-            return SnapshotPlan(name, (tip,), tip)
         base = name
     else:
         base = head.base_thread

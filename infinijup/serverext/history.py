@@ -2,8 +2,8 @@
 panel draws.
 
 A kernel's head is the commit its state came from and the thread its next snapshot goes to.
-After a restart its state comes from no commit: the next snapshot continues its thread (the
-tip becomes its parent).
+After a restart its state comes from no commit: the next snapshot is a new root, on a new
+thread next to the old one (engine/heads.py).
 """
 
 from __future__ import annotations
@@ -134,13 +134,29 @@ def history(repo, path: str, head: Head, remote_only: set[str] | dict) -> dict: 
     for name in threads:
         for c in repo.log(store_thread(key, name)):
             commits.setdefault(c.id, c)
+    if head.commit and head.commit not in commits:
+        # The kernel came from another notebook's snapshot ("Open in new notebook", a resume
+        # by id): it shows, marked with its notebook, until this notebook's first snapshot
+        # (whose parent it is) brings its lineage in.
+        try:
+            commits[head.commit] = repo.get_commit(head.commit)
+        except InfinijupError:
+            pass
     ordered = sorted(commits.values(), key=lambda c: c.created, reverse=True)
     # Where the next snapshot goes, planned as a snapshot would plan it (the UI shows it).
     next_thread = plan_snapshot(head, threads, None).thread
     return {
         "path": path,
-        "commits": [{**commit_json(c, why_not_resumable(c)), "remote_only": c.id in remote_only}
-                    for c in ordered],
+        "commits": [{**commit_json(c, why_not_resumable(c)), "remote_only": c.id in remote_only,
+                     **_elsewhere(c, key)} for c in ordered],
         "threads": threads,
         "head": {"thread": head.thread, "commit": head.commit, "next_thread": next_thread},
     }
+
+
+def _elsewhere(c, key: str) -> dict:  # noqa: ANN001
+    """``{"notebook": path}`` for a commit of another notebook (shown where a kernel came from)."""
+    meta = c.metadata or {}
+    if meta.get("notebook_key", key) == key:
+        return {}
+    return {"notebook": meta.get("notebook_path") or ""}

@@ -45,6 +45,7 @@ import type {
   IResumeResult,
   ISnapshotResult
 } from './types';
+import { KERNELSPEC_NAME } from './types';
 
 /** The settings of the extension (labextension/schema/plugin.json). */
 export interface IInfinijupSettings {
@@ -443,12 +444,6 @@ export class InfinijupActions {
         return null;
       }
     }
-    const path = sessionPath(panel);
-    if (!newNotebook && kernel) {
-      // The server resumes into the kernel a notebook runs: free the path
-      // of the kernel the user agreed to replace.
-      await panel.sessionContext.shutdown();
-    }
     const busyKey = pathKey(panel);
     const handle = this._progress.begin(
       'resume',
@@ -456,10 +451,25 @@ export class InfinijupActions {
       newNotebook
         ? `New notebook from ${name(panel)}`
         : `Resume of ${name(panel)}`,
-      path
+      sessionPath(panel)
     );
     this._setBusy(busyKey, true);
     try {
+      if (!newNotebook) {
+        // One session per notebook: the notebook gets an Infinijup kernel
+        // through its own session first (replacing the kernel the user agreed
+        // to replace), and the server resumes into that kernel. A session the
+        // server started would be a second one for this path, since Lab opens
+        // its own under a temporary path and then renames it.
+        const kernelName = commit?.metadata?.kernel_name;
+        await panel.sessionContext.changeKernel({
+          name:
+            typeof kernelName === 'string' && kernelName
+              ? kernelName
+              : KERNELSPEC_NAME
+        });
+      }
+      const path = sessionPath(panel);
       const result = await this._api.resume({
         path,
         commit: commit?.id ?? ref,

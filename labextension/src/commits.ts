@@ -248,7 +248,7 @@ export interface INextSnapshot {
   thread: string;
   /** True when that thread does not exist yet (it starts at HEAD). */
   isNew: boolean;
-  /** The parent of the next snapshot (HEAD, or the tip a fresh kernel continues). */
+  /** The parent of the next snapshot (HEAD; null: a new root, from a fresh kernel). */
   parent: string | null;
 }
 
@@ -283,10 +283,7 @@ export function nextSnapshot(
     if (tip === undefined || tip === commit) {
       return { thread: name, isNew: tip === undefined, parent: commit };
     }
-    if (commit === null) {
-      // A fresh kernel continues its thread's history.
-      return { thread: name, isNew: false, parent: tip };
-    }
+    // A fresh kernel (commit null) starts a new root next to its thread.
     base = name;
   } else {
     base = commitThread || DEFAULT_THREAD;

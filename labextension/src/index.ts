@@ -228,6 +228,20 @@ const plugin: JupyterFrontEndPlugin<void> = {
     }
     tracker.currentChanged.connect(follow);
     follow();
+    // A restart gives the kernel a fresh state under the same id: once it
+    // answers again, the history reloads (its head is no snapshot now).
+    const restarting = new WeakSet<NotebookPanel>();
+    tracker.widgetAdded.connect((_, notebook) => {
+      notebook.sessionContext.statusChanged.connect((_ctx, status) => {
+        if (status === 'restarting' || status === 'autorestarting') {
+          restarting.add(notebook);
+        } else if (status === 'idle' && restarting.delete(notebook)) {
+          if (tracker.currentWidget === notebook) {
+            model.scheduleRefresh();
+          }
+        }
+      });
+    });
 
     // The toolbar button.
     app.docRegistry.addWidgetExtension(

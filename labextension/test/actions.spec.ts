@@ -265,8 +265,14 @@ describe('resume', () => {
     const result = await actions.resume(panel, ID(2).slice(0, 10));
     expect(result).toMatchObject({ kernel_id: 'k-resumed' });
     expect(mocked.showDialog).not.toHaveBeenCalled();
-    expect(panel.sessionContext.changeKernel).toHaveBeenCalledWith({
-      id: 'k-resumed'
+    // One session: the notebook's own, with a new Infinijup kernel, which the
+    // server then resumes into.
+    expect(panel.sessionContext.changeKernel.mock.calls).toEqual([
+      [{ name: 'infinijup' }]
+    ]);
+    expect(api.resume).toHaveBeenCalledWith({
+      path: 'nb.ipynb',
+      commit: ID(2)
     });
     expect(notifier.notes[notifier.notes.length - 1].message).toBe(
       'Resumed 22222222 in a new kernel in 1.5 s · next snapshot starts new thread main-1'
@@ -284,13 +290,13 @@ describe('resume', () => {
     expect(panel.sessionContext.shutdown).not.toHaveBeenCalled();
     answerDialogs(true);
     await actions.resume(panel, ID(2));
-    // The plain kernel goes first: the server resumes into a notebook's
-    // running kernel, and it cannot restore into a plain one.
-    expect(panel.sessionContext.shutdown).toHaveBeenCalledTimes(1);
+    // The plain kernel is replaced in the notebook's session by an Infinijup
+    // kernel, which the server then resumes into.
+    expect(panel.sessionContext.shutdown).not.toHaveBeenCalled();
+    expect(panel.sessionContext.changeKernel.mock.calls).toEqual([
+      [{ name: 'infinijup' }]
+    ]);
     expect(api.resume).toHaveBeenCalledTimes(1);
-    expect(panel.sessionContext.changeKernel).toHaveBeenCalledWith({
-      id: 'k-resumed'
-    });
   });
 
   it('opens a new notebook next to this one', async () => {

@@ -274,10 +274,13 @@ describe('nextSnapshot (heads.py plan_snapshot)', () => {
     ).toEqual({ thread: 'exp-2', isNew: true, parent: 'x' });
   });
 
-  it('lets a fresh kernel continue its thread', () => {
+  it('starts a fresh kernel on a new root next to its thread', () => {
     expect(
       nextSnapshot({ thread: 'main', commit: null }, { main: 'c2' })
-    ).toEqual({ thread: 'main', isNew: false, parent: 'c2' });
+    ).toEqual({ thread: 'main-1', isNew: true, parent: null });
+    expect(
+      nextSnapshot({ thread: 'exp', commit: null }, { main: 'c2' })
+    ).toEqual({ thread: 'exp', isNew: true, parent: null });
     expect(nextSnapshot(null, {})).toEqual({
       thread: 'main',
       isNew: true,

@@ -51,8 +51,11 @@ export function fakeNotebook(
       ctx.kernelDisplayName = 'No Kernel';
       ctx.kernelChanged.emit({});
     }),
-    changeKernel: jest.fn(async (model: { id: string }) => {
-      const k = fakeKernel(model.id);
+    changeKernel: jest.fn(async (model: { id?: string; name?: string }) => {
+      // A kernel started by name is the one the fake server resumes into.
+      const k = model.id
+        ? fakeKernel(model.id)
+        : fakeKernel('k-resumed', model.name);
       ctx.session = { path, kernel: k };
       ctx.kernelDisplayName = 'Python 3 (Infinijup)';
       ctx.kernelChanged.emit({});

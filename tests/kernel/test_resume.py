@@ -94,6 +94,15 @@ async def test_side_by_side_and_into_another_notebook(notebook: Notebook, jp_roo
     a = await attach(Notebook(notebook.fetch, notebook.ws_fetch, r1["path"]), r1["kernel_id"])
     b = await attach(Notebook(notebook.fetch, notebook.ws_fetch, r2["path"]), r2["kernel_id"])
     try:
+        # the copy's history shows where its kernel came from (issue 28, item 4)
+        hist = await a.history()
+        assert hist["head"]["commit"] == snap["commit"], hist["head"]
+        assert [(c["id"], c.get("notebook")) for c in hist["commits"]] == \
+            [(snap["commit"], PATH)], hist["commits"]
+        # one session per notebook (issue 28, item 5)
+        sessions = json.loads((await notebook.fetch("api", "sessions")).body)
+        paths = sorted(s["path"] for s in sessions)
+        assert sorted({PATH, r1["path"], r2["path"]}) == paths, paths
         draws = [await nb.value("random.random()") for nb in (notebook, a, b)]
         assert draws[0] == draws[1] == draws[2]  # three live copies of one state
         await a.execute("x += 10")

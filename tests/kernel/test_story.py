@@ -264,9 +264,11 @@ async def test_history_and_restore_survive_a_kernel_restart(notebook):
     assert await nb.value("'kept' in globals()") is False
     hist = await nb.history()
     assert [c["id"] for c in hist["commits"]] == [a["commit"]]
-    # a fresh state, on main
-    assert hist["head"] == {"thread": "main", "commit": None, "next_thread": "main"}
+    # a fresh state: its next snapshot is a new root, next to main (issue 28, item 4)
+    assert hist["head"] == {"thread": "main", "commit": None, "next_thread": "main-1"}
     b = await nb.snapshot(message="after restart")
-    assert b["thread"] == "main" and b["parents"] == [a["commit"]]
+    assert b["thread"] == "main-1" and b["parents"] == []
+    hist = await nb.history()
+    assert hist["threads"] == {"main": a["commit"], "main-1": b["commit"]}
     await nb.restore(a["commit"])
     assert await nb.value("kept") == "before restart"

@@ -487,6 +487,12 @@ test.describe('Infinijup end to end @backend', () => {
     ).toBeVisible({ timeout: OP_TIMEOUT });
     await waitForKernelIdle(page);
     expect(await run(page, 'print(x)')).toBe('41');
+    // One session for the notebook (issue 28, item 5): the one Lab made.
+    const sessionsAt = async (path: string): Promise<number> => {
+      const all = await (await page.request.get('/api/sessions')).json();
+      return all.filter((s: any) => s.path === path).length;
+    };
+    expect(await sessionsAt(`${tmpPath}/${name}`)).toBe(1);
 
     // The same snapshot in a new notebook next to this one.
     await row(page, a).click();
@@ -508,5 +514,7 @@ test.describe('Infinijup end to end @backend', () => {
       .toContain(copy);
     await waitForKernelIdle(page);
     expect(await run(page, 'print(x)')).toBe('41');
+    expect(await sessionsAt(`${tmpPath}/${copy}`)).toBe(1);
+    expect(await sessionsAt(`${tmpPath}/${name}`)).toBe(1);
   });
 });

@@ -108,7 +108,13 @@ export class MockBackend {
     let target: string = body.path;
     if (body.new_notebook) {
       target = target.replace(/\.ipynb$/, `-${body.commit.slice(0, 8)}.ipynb`);
-      const source = await api.get(`${origin}/api/contents/${body.path}`);
+      // The notebook may not be on disk yet (a new one is saved just after it
+      // opens): wait for it, as the server would find it.
+      let source = await api.get(`${origin}/api/contents/${body.path}`);
+      for (let i = 0; i < 100 && !source.ok(); i++) {
+        await new Promise(resolve => setTimeout(resolve, 100));
+        source = await api.get(`${origin}/api/contents/${body.path}`);
+      }
       const model = await source.json();
       await api.put(`${origin}/api/contents/${target}`, {
         data: { type: 'notebook', format: 'json', content: model.content }
