@@ -17,22 +17,28 @@ Bounded by ``budget`` bytes (allocated blocks; 0 keeps nothing): least recently 
 or restored) first out. It also gives way to the next dump: entries go, oldest first, while
 the work dir's filesystem has less free space than the newest entry's size.
 
-Several servers of one user may share the work dir: changes hold ``<work>/hot/.lock``.
+Several servers of one user may share the work dir: changes hold ``<work>/hot/.lock``. The
+directory's layout (entries, their sizes, dropping one) is ``store/hot_dir.py``, which the store's
+command line uses too; ``prune`` drops the copies of snapshots deleted from the store
+(serverext/space.py, ``infinijup store rm``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import shutil
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from ..store import hot_dir
+from ..store.hot_dir import Entry
+from ..store.hot_dir import allocated as _allocated
+from ..store.hot_dir import read_json as _read_json
+from ..store.hot_dir import remove as _remove
 from ..store.objects import is_hex_id
 
 GiB = 1 << 30
@@ -48,22 +54,6 @@ def default_budget() -> int:
     return min(ram // 4, 32 * GiB)
 
 
-@dataclass(frozen=True)
-class Entry:
-    commit: str
-    bytes: int
-    used: float
-
-
-def _allocated(path: Path) -> int:
-    total = 0
-    with os.scandir(path) as it:
-        for item in it:
-            if item.is_file(follow_symlinks=False):
-                total += item.stat(follow_symlinks=False).st_blocks * 512
-    return total
-
-
 class HotTier:
     """Images of recent commits under ``root`` (``<work>/hot``), at most ``budget`` bytes."""
 
@@ -77,13 +67,8 @@ class HotTier:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        with hot_dir.locked(self.root):
             yield
-        finally:
-            os.close(fd)  # releases the lock
 
     # --- keeping --------------------------------------------------------------------------
     def keep(self, images: Path, commit, tree: list) -> bool:  # noqa: ANN001
@@ -161,20 +146,16 @@ class HotTier:
     # --- space ----------------------------------------------------------------------------
     def entries(self) -> list[Entry]:
         """Complete entries, least recently used first."""
-        out = []
-        try:
-            names = os.listdir(self.root)
-        except FileNotFoundError:
-            return []
-        for name in names:
-            if not name.endswith(".json") or not is_hex_id(name[:-5]):
-                continue
-            manifest = _read_json(self.root / name)
-            if manifest is None or not (self.root / name[:-5]).is_dir():
-                continue
-            out.append(Entry(name[:-5], int(manifest.get("bytes", 0)),
-                             float(manifest.get("used", 0.0))))
-        return sorted(out, key=lambda e: e.used)
+        return hot_dir.entries(self.root)
+
+    def usage(self) -> int:
+        """Bytes the tier takes on disk now (allocated; entries and any leftovers)."""
+        return hot_dir.usage(self.root)
+
+    def prune(self, keep: Callable[[Entry], bool]) -> list[Entry]:
+        """Drop every entry ``keep`` says no to (e.g. its commit left the store); returns
+        those dropped."""
+        return hot_dir.prune(self.root, keep)
 
     def make_room(self) -> None:
         """Before a dump: free the filesystem for an image as large as the newest kept one."""
@@ -213,8 +194,7 @@ class HotTier:
                 _remove(self.root / name)
 
     def _drop_locked(self, commit_id: str) -> None:
-        _remove(self.root / f"{commit_id}.json")  # first: no half entry is ever used
-        _remove(self.root / commit_id)
+        hot_dir.drop_locked(self.root, commit_id)  # manifest first: no half entry is ever used
 
 
 def _tree_files(tree: list) -> dict[str, tuple[str, int]] | None:
@@ -241,22 +221,6 @@ def _matches(manifest: dict | None, commit, files: dict[str, tuple[str, int]]) -
 def _free(path: Path) -> int:
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def _write_json(path: Path, data: dict) -> None:

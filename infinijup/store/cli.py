@@ -6,25 +6,42 @@ Remote-only commits (their chunks evicted to a remote, remote_only.py) are liste
 ``log`` ends their line with ``[remote-only]`` (``"remote_only": true`` with ``--json``),
 ``show`` says where their data is, ``check`` counts them (not a problem), ``stats`` too;
 ``pull REMOTE ID`` brings one back.
+
+Getting space back (space.py has the rules): ``rm ID`` deletes a snapshot that no other
+snapshot builds on (each thread ending at it moves back to its parent; a thread with nothing
+left goes), ``thread-rm NAME`` deletes a thread and the snapshots only it reaches. Both refuse
+what a hibernated kernel sleeps in (the records beside the store, ``<store>-hibernated/``), run
+gc, and drop the hot tier's copies of the snapshots that left the store. A running kernel's
+HEAD is known only to its server: delete from the panel (or stop the server) when kernels run.
+``stats`` shows the store's size and the hot tier's. The hot tier is ``$INFINIJUP_HOT_TIER``, or
+``hot/`` in this user's directory of the helper's work dir (``--hot-tier`` to name it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from infinijup.errors import InfinijupError
 
+from . import hot_dir
 from .check import check
 from .gc import gc
 from .objects import Commit
 from .rebuild import rebuild_index
 from .remote_only import remote_only
 from .repository import Repository, default_store_path
+from .space import delete, format_bytes, plan_commit_delete, plan_thread_delete, store_bytes
+
+# The helper's default work dir (infinijup_helper/config.py), for finding the hot tier without
+# asking the helper; $INFINIJUP_HOT_TIER or --hot-tier name another.
+_HELPER_WORK = "/var/lib/infinijup/work"
 
 
 def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
@@ -55,9 +72,35 @@ def _configure(p: argparse.ArgumentParser) -> None:
     check = sub.add_parser("check", parents=[common],
                            help="verify the store (exit 1 on a problem)")
     check.add_argument("--read-data", action="store_true", help="re-hash every stored object")
-    gc = sub.add_parser("gc", parents=[common], help="remove what no thread reaches")
+    hot = argparse.ArgumentParser(add_help=False)
+    hot.add_argument("--hot-tier", metavar="DIR", default=None,
+                     help="the hot tier (default: $INFINIJUP_HOT_TIER, else hot/ in this "
+                          "user's directory of the helper's work dir)")
+    gc = sub.add_parser("gc", parents=[common, hot],
+                        help="remove what no thread reaches (hibernated kernels' snapshots "
+                             "stay) and the hot copies of what left the store")
     gc.add_argument("--dry-run", action="store_true", help="only report what would go")
-    sub.add_parser("stats", parents=[common], help="sizes and counts")
+    rm = sub.add_parser(
+        "rm", parents=[common, hot], help="delete a snapshot and get its space back",
+        description="Delete a snapshot that no other snapshot builds on: each thread ending "
+                    "at it moves back to its parent (a thread with nothing left is removed). "
+                    "Refused, with the reason, for a snapshot others build on (delete from the "
+                    "tip, or delete the thread) and for one a hibernated kernel sleeps in. "
+                    "Then gc, and the hot copies of what left the store are dropped. Copies "
+                    "pushed to a remote stay there.")
+    rm.add_argument("commit", help="snapshot id or unique prefix (>= 8 hex)")
+    rm.add_argument("--no-gc", action="store_true",
+                    help="only move the threads (the next gc reclaims the space)")
+    thread_rm = sub.add_parser(
+        "thread-rm", parents=[common, hot], help="delete a thread and get its space back",
+        description="Delete a thread: its ref, and the snapshots no other thread reaches. "
+                    "Refused for a thread holding a snapshot a hibernated kernel sleeps in. "
+                    "Then gc, and the hot copies of what left the store are dropped.")
+    thread_rm.add_argument("thread", help="the thread's name as `threads` lists it")
+    thread_rm.add_argument("--no-gc", action="store_true",
+                           help="only remove the ref (the next gc reclaims the space)")
+    sub.add_parser("stats", parents=[common, hot],
+                   help="sizes and counts (the store's and the hot tier's size first)")
     sub.add_parser("rebuild-index", parents=[common],
                    help="rebuild the index from packs and commits")
     push = sub.add_parser("push", parents=[common],
@@ -193,15 +236,86 @@ def _check(repo: Repository, args: argparse.Namespace) -> int:
 
 
 def _gc(repo: Repository, args: argparse.Namespace) -> int:
-    r = gc(repo, dry_run=args.dry_run)
+    r = gc(repo, dry_run=args.dry_run, keep=_hibernated(repo))
     verb = "would remove" if r.dry_run else "removed"
     print(f"{verb} {len(r.commits_removed)} commits, {r.objects_removed} objects, "
           f"{len(r.packs_deleted)} packs; repacked {len(r.packs_repacked)} packs; "
           f"{r.leftovers_removed} leftovers; {_human(r.bytes_freed)} freed")
+    if not r.dry_run:
+        _prune_hot(repo, args)
     return 0
 
 
+def _rm(repo: Repository, args: argparse.Namespace) -> int:
+    needed = _hibernated(repo)
+    return _delete(repo, args, plan_commit_delete(repo, args.commit, needed=needed), needed)
+
+
+def _thread_rm(repo: Repository, args: argparse.Namespace) -> int:
+    needed = _hibernated(repo)
+    return _delete(repo, args, plan_thread_delete(repo, args.thread, needed=needed), needed)
+
+
+def _delete(repo: Repository, args: argparse.Namespace, plan: Any, needed: dict) -> int:
+    report = delete(repo, plan, needed=needed, collect=not args.no_gc)
+    for name, tip in plan.moves.items():
+        print(f"thread {name}: " + (f"now at {tip[:12]}" if tip else "removed"))
+    print(f"{len(plan.removed)} snapshot(s) no longer reached: "
+          + " ".join(c[:12] for c in plan.removed))
+    if report.gc is None:
+        print("space not reclaimed yet (--no-gc): run `infinijup store gc`")
+        return 0
+    print(f"store {format_bytes(report.store_bytes_before)} -> "
+          f"{format_bytes(report.store_bytes_after)}")
+    _prune_hot(repo, args)
+    return 0
+
+
+def _hibernated(repo: Repository) -> dict[str, str]:
+    """Commit -> why it stays: the snapshots hibernated kernels sleep in (the server's records
+    beside the store, serverext/hibernation.py: ``<store>-hibernated/<kernel id>.json``)."""
+    records = repo.path.with_name(repo.path.name + "-hibernated")
+    out: dict[str, str] = {}
+    for path in sorted(records.glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and isinstance(record.get("commit"), str):
+            out[record["commit"]] = (f"the snapshot hibernated kernel {record.get('kernel_id')} "
+                                     f"({record.get('path')}) sleeps in")
+    return out
+
+
+def _hot_root(args: argparse.Namespace) -> Path:
+    explicit = getattr(args, "hot_tier", None) or os.environ.get("INFINIJUP_HOT_TIER")
+    if explicit:
+        return Path(explicit)
+    work = os.environ.get("INFINIJUP_HELPER_WORK") or _HELPER_WORK
+    return Path(work) / str(os.getuid()) / "hot"
+
+
+def _prune_hot(repo: Repository, args: argparse.Namespace) -> None:
+    """Drop the hot copies of snapshots that are no longer in the store."""
+    root = _hot_root(args)
+    try:
+        dropped = hot_dir.prune(root, lambda e: repo.index.has_commit(e.commit))
+    except OSError as exc:
+        print(f"hot tier {root}: not pruned ({exc.strerror})")
+        return
+    if dropped:
+        print(f"dropped {len(dropped)} hot cop{'y' if len(dropped) == 1 else 'ies'} "
+              f"({format_bytes(sum(e.bytes for e in dropped))}) from {root}")
+
+
 def _stats(repo: Repository, args: argparse.Namespace) -> int:
+    root = _hot_root(args)
+    print(f"{'store':<20} {format_bytes(store_bytes(repo))} on disk ({repo.path})")
+    try:
+        hot = f"{format_bytes(hot_dir.usage(root))} ({len(hot_dir.entries(root))} snapshots, {root})"
+    except OSError as exc:
+        hot = f"unknown ({root}: {exc.strerror})"
+    print(f"{'hot copies':<20} {hot}")
     for k, v in repo.stats().items():
         print(f"{k:<20} {v}")
     known = set(repo.index.commit_ids())
@@ -250,4 +364,4 @@ def _print_pull(r: Any) -> None:
 
 
 _COMMANDS = {"log": _log, "threads": _threads, "show": _show, "check": _check, "gc": _gc,
-             "stats": _stats, "rebuild-index": _rebuild, "push": _push, "pull": _pull}
+             "rm": _rm, "thread-rm": _thread_rm, "stats": _stats, "rebuild-index": _rebuild, "push": _push, "pull": _pull}

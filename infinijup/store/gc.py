@@ -4,7 +4,8 @@ Plan, then execute, all under the *exclusive* store lock (no writer can be dedup
 against or writing anything gc decides about):
 
 plan
-    mark every commit reachable from a thread tip, and every tree, blob and chunk they use
+    mark every commit reachable from a thread tip (or from a commit the caller names in
+    ``keep``: one a kernel stands on, space.py), and every tree, blob and chunk they use
     (a remote-only commit's trees and blobs only: its chunks are on a remote, remote_only.py),
     and the sources of every page-delta chunk among them (refusing to go on if any of it is
     missing or damaged: run check); sort packs into
@@ -18,6 +19,7 @@ execute (each step durable before the next, so a crash leaves a valid store)
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -50,10 +52,11 @@ class GcReport:
     leftovers_removed: int = 0
 
 
-def gc(repo: Repository, *, dry_run: bool = False) -> GcReport:
-    """Collect garbage in ``repo``; see the module docs."""
+def gc(repo: Repository, *, dry_run: bool = False, keep: Iterable[str] = ()) -> GcReport:
+    """Collect garbage in ``repo``; see the module docs. ``keep``: commits kept (with their
+    ancestors) though no thread reaches them; ids not in the store are ignored."""
     with FileLock(repo.lock_path, timeout=repo.lock_timeout):
-        plan = _plan(repo)
+        plan = _plan(repo, set(keep))
         if dry_run:
             return GcReport(True, sorted(plan.garbage_commits), sorted(plan.delete),
                             sorted(plan.repack), [], plan.objects_removed, plan.bytes_freed,
@@ -75,10 +78,10 @@ class _Plan:
     bytes_freed: int = 0
 
 
-def _plan(repo: Repository) -> _Plan:
+def _plan(repo: Repository, keep: set[str]) -> _Plan:
     files = layout.commit_files(repo)
     reachable: dict[str, Commit] = {}
-    stack = list(repo.threads().values())
+    stack = list(repo.threads().values()) + sorted(k for k in keep if k in files)
     while stack:
         cid = stack.pop()
         if cid in reachable:
