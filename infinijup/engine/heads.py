@@ -72,3 +72,28 @@ def head_after_restore(commit: str, commit_thread: str, threads: dict[str, str],
         if tip == commit:
             return Head(commit=commit, thread=name, base_thread=name)
     return Head(commit=commit, thread=None, base_thread=commit_thread)
+
+
+def unchanged_since(parent_meta: dict, execution_count: int | None, described: dict) -> bool:
+    """Is a kernel about to be snapshotted (``execution_count`` and ``described``: its
+    quiesce answer) still in the state of the snapshot it stands on (``parent_meta``)?
+
+    Only when nothing says otherwise: no cell ran since (the same execution count), no variable
+    changed (the kernel compares each fingerprint with that snapshot's), and the same names are
+    there. A list truncated on either side, or a count missing, answers False. What this cannot
+    see is a change made by a thread of the kernel's own to something no fingerprint covers;
+    that change is still in the snapshot taken (a hibernation wakes from it), only not shown
+    as a commit of its own.
+    """
+    count = parent_meta.get("execution_count")
+    if execution_count is None or count is None or count != execution_count:
+        return False
+    now, then = described.get("variables"), parent_meta.get("variables")
+    if not isinstance(now, dict) or not isinstance(then, dict):
+        return False
+    if now.get("truncated") or then.get("truncated"):
+        return False
+    items, before = now.get("items") or [], then.get("items") or []
+    if any(it.get("changed") for it in items):
+        return False
+    return {it.get("name") for it in items} == {it.get("name") for it in before}

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..engine.heads import Head
 from ..engine.lifecycle import (
     HIBERNATED,
     HIBERNATING,
@@ -36,6 +37,7 @@ from ..engine.lifecycle import (
     WAKING,
     Operation,
 )
+from ..engine.naming import DEFAULT_THREAD
 from ..engine.steps import Steps
 from ..errors import Conflict, InfinijupError, NotFound
 from ..gpu.room_plan import Candidate, margin_for, plan_room, release_refusal
@@ -49,6 +51,9 @@ class Rest:
     lifecycle's."""
 
     commit: str | None = None  # the snapshot a hibernated kernel wakes from
+    # a hibernation of a kernel unchanged since its head: that snapshot is kept aside (on
+    # ``aside_ref(kernel id)``, no commit of the history) and the kernel wakes onto this head
+    head: Head | None = None
     since: float = field(default_factory=time.time)
     wake: asyncio.Future | None = None
     entered: asyncio.Event = field(default_factory=asyncio.Event)  # into rest, or gave up
@@ -92,7 +97,8 @@ class Hibernation:
                     record.get("kernel_id") not in self.manager.kernel_ids():
                 self.lifecycle.stand_in_hibernated(kernel_id)
                 self.rests[kernel_id] = Rest(commit=record["commit"],
-                                             since=record.get("since", time.time()))
+                                             since=record.get("since", time.time()),
+                                             head=_record_head(record))
                 self._move_record(record["kernel_id"], kernel_id, record)
                 self.manager.log.info("infinijup: kernel %s stands in for %s, hibernated at %s",
                                       kernel_id, record["kernel_id"], record["commit"][:12])
@@ -145,7 +151,10 @@ class Hibernation:
         event = Operation("hibernate", kernel_id)
         m.events.end(event, "queued", kernel_state=HIBERNATING)
         try:
-            snap = await snapshot(m, kernel_id, message=f"hibernated ({reason})", within=turn)
+            head = m.heads.get(kernel_id)
+            snap = await snapshot(m, kernel_id, message=f"hibernated ({reason})", within=turn,
+                                  aside=aside_ref(kernel_id))
+            rest.head = head if snap.get("aside") else None
             prov.hibernated = True
             prov.on_discard = lambda: self._discard(kernel_id)
             await prov.end_process()
@@ -153,7 +162,8 @@ class Hibernation:
             turn.to(HIBERNATED)
             self._write_record(kernel_id, {"kernel_id": kernel_id,
                                            "path": await m.notebook_path(kernel_id),
-                                           "commit": snap["commit"], "since": rest.since})
+                                           "commit": snap["commit"], "since": rest.since,
+                                           **_head_record(rest.head)})
         except BaseException as exc:
             self.rests.pop(kernel_id, None)
             prov.hibernated = False
@@ -164,7 +174,8 @@ class Hibernation:
             raise
         rest.entered.set()
         m.events.end(event, "done", kernel_state=HIBERNATED, commit=snap["commit"])
-        return {"kernel_id": kernel_id, "state": HIBERNATED, "commit": snap["commit"]}
+        return {"kernel_id": kernel_id, "state": HIBERNATED, "commit": snap["commit"],
+                "recorded": rest.head is None}
 
     async def release(self, kernel_id: str) -> dict:
         """Move the kernel's VRAM to host memory; the process runs on without its GPUs."""
@@ -227,6 +238,8 @@ class Hibernation:
                                   back["hook_errors"])
             else:  # from its snapshot, in its own session
                 await restore(m, kernel_id, rest.commit, within=turn)
+                if rest.head is not None:  # it stands where it stood before it slept
+                    m.heads.set(kernel_id, rest.head, m.kernel(kernel_id).provisioner)
         except BaseException as exc:
             rest.wake = None
             if turn.state == WAKING:
@@ -277,6 +290,7 @@ class Hibernation:
         held for it go on)."""
         if self.rests.pop(kernel_id, None) is not None:
             self._remove_record(kernel_id)
+            self._drop_aside(kernel_id)
 
     def _discard(self, kernel_id: str) -> None:
         """A hibernated kernel was shut down (or restarted): by its user, its record goes;
@@ -285,6 +299,7 @@ class Hibernation:
         self.lifecycle.forget(kernel_id)
         if not self.stopping:
             self._remove_record(kernel_id)
+            self._drop_aside(kernel_id)
         self.notify(kernel_id, error="the kernel was shut down while it was hibernated")
 
     async def hibernate_all(self) -> None:
@@ -335,6 +350,17 @@ class Hibernation:
                                       exc.message)
 
     # --- records: which kernel sleeps in which snapshot (they outlive the server) -------------
+    def _drop_aside(self, kernel_id: str) -> None:
+        """The snapshot a kernel slept in aside is not needed any more (it woke, or was shut
+        down): its ref goes, and gc may take what only it held."""
+        try:
+            repo = self.manager.repo()
+            if aside_ref(kernel_id) in repo.threads():
+                repo.delete_thread(aside_ref(kernel_id))
+        except InfinijupError as exc:
+            self.manager.log.warning("infinijup: could not drop %s: %s", aside_ref(kernel_id),
+                                     exc.message)
+
     def _record_path(self, kernel_id: str) -> Path:
         if not kernel_id or "/" in kernel_id or kernel_id.startswith("."):
             raise NotFound(f"no kernel {kernel_id}", reason="unknown_kernel")
@@ -367,3 +393,25 @@ class Hibernation:
             if isinstance(record, dict) and record.get("commit") and record.get("path"):
                 out.append(record)
         return out
+
+
+def aside_ref(kernel_id: str) -> str:
+    """The store ref that keeps a hibernated kernel's snapshot when it is no commit of the
+    notebook's history (the kernel was unchanged since its head)."""
+    return f"hibernated--{kernel_id}"
+
+
+def _head_record(head: Head | None) -> dict:
+    if head is None:
+        return {}
+    return {"head": {"commit": head.commit, "thread": head.thread,
+                     "base_thread": head.base_thread}}
+
+
+def _record_head(record: dict) -> Head | None:
+    h = record.get("head")
+    if not isinstance(h, dict) or not isinstance(h.get("commit"), str):
+        return None
+    thread = h.get("thread") if isinstance(h.get("thread"), str) else None
+    base = h.get("base_thread") if isinstance(h.get("base_thread"), str) else DEFAULT_THREAD
+    return Head(commit=h["commit"], thread=thread, base_thread=base)

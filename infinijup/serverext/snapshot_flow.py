@@ -21,6 +21,7 @@ from pathlib import Path
 
 from .. import __version__, config
 from ..engine import Head, plan_snapshot
+from ..engine.heads import SnapshotPlan, unchanged_since
 from ..engine.kernel_channel import run_agent
 from ..engine.lifecycle import HIBERNATED, RUNNING, SNAPSHOTTING, STORING, Operation, Turn
 from ..engine.naming import check_thread_name, notebook_key, notebook_threads, store_thread
@@ -47,9 +48,14 @@ class GpuGo:
 async def snapshot(m, kernel_id: str, *, message: str = "", thread: str | None = None,  # noqa: ANN001
                    from_kernel: bool = False, execution_count: int | None = None,
                    described: dict | None = None, request_id: str | None = None,
-                   within: Turn | None = None) -> dict:
+                   within: Turn | None = None, aside: str | None = None) -> dict:
     """Snapshot a kernel (``m`` is the SnapshotManager). ``within``: the turn of a larger move
-    this snapshot is part of (a hibernation), which keeps the kernel's lifecycle state."""
+    this snapshot is part of (a hibernation), which keeps the kernel's lifecycle state.
+
+    ``aside``: a store ref. If the kernel is unchanged since the snapshot it stands on
+    (heads.unchanged_since), this snapshot is kept on that ref instead of a thread of the
+    notebook: it is no commit of the history, the kernel's head stays where it was, and the
+    answer says ``"aside": true``."""
     km = m.kernel(kernel_id)
     prov = m.provisioner(km)
     if m.lifecycle.state(kernel_id) == HIBERNATED:
@@ -65,7 +71,7 @@ async def snapshot(m, kernel_id: str, *, message: str = "", thread: str | None =
     run = SnapshotRun(m, km, prov, op, turn if within is None else None, path=path,
                       message=message, thread=thread, from_kernel=from_kernel,
                       execution_count=execution_count, described=described,
-                      request_id=request_id)
+                      request_id=request_id, aside=aside)
     try:
         return await run.run()
     except InfinijupError as exc:
@@ -81,12 +87,14 @@ class SnapshotRun:
     def __init__(self, m, km, prov, op: Operation, turn: Turn | None, *, path: str,  # noqa: ANN001
                  message: str, thread: str | None, from_kernel: bool,
                  execution_count: int | None, described: dict | None,
-                 request_id: str | None) -> None:
+                 request_id: str | None, aside: str | None = None) -> None:
         self.m, self.km, self.prov, self.op, self.turn = m, km, prov, op, turn
         self.path, self.message, self.thread = path, message, thread
         self.from_kernel, self.execution_count = from_kernel, execution_count
         self.described, self.request_id = described, request_id
         self.head = m.heads.get(km.kernel_id)
+        self.aside = aside  # the ref for a snapshot of an unchanged kernel (see snapshot())
+        self.kept_aside = False
         self.plan = None
         self.resumed = False  # the kernel's resume hooks have run
         self.running_again_s: float | None = None
@@ -129,10 +137,14 @@ class SnapshotRun:
                 await self.m.resume_hooks(self.km, restored=False)
 
         commit = result.commit
-        m.remote_tier.committed(store_thread(notebook_key(self.path), self.plan.thread))
-        m.heads.set(self.km.kernel_id, Head(commit=commit.id, thread=self.plan.thread,
-                                            base_thread=self.plan.thread), self.prov)
-        m.events.emit(op, "done", 100, commit=commit.id, thread=self.plan.thread)
+        if self.kept_aside:  # no commit of the history: the head stays
+            m.remote_tier.committed(self.aside)  # a pod that goes wakes elsewhere from it
+            m.events.emit(op, "done", 100, commit=commit.id, thread="")
+        else:
+            m.remote_tier.committed(store_thread(notebook_key(self.path), self.plan.thread))
+            m.heads.set(self.km.kernel_id, Head(commit=commit.id, thread=self.plan.thread,
+                                                base_thread=self.plan.thread), self.prov)
+            m.events.emit(op, "done", 100, commit=commit.id, thread=self.plan.thread)
         stats = {"image_bytes": result.image_bytes, "stored_bytes": result.stored_bytes,
                  "pause_s": result.pause_s, "quiesce_s": t_quiesce,
                  "running_again_s": self.running_again_s,
@@ -141,8 +153,9 @@ class SnapshotRun:
         for key in ("gpu_release", "gpu_segments"):
             if self.described.get(key):
                 stats[key] = self.described[key]
-        return {"commit": commit.id, "thread": self.plan.thread,
-                "parents": list(commit.parents), "stats": stats}
+        return {"commit": commit.id, "thread": "" if self.kept_aside else self.plan.thread,
+                "parents": list(commit.parents), "stats": stats,
+                **({"aside": True} if self.kept_aside else {})}
 
     # --- the steps ---------------------------------------------------------------------------
     def plan_now(self) -> dict:  # in a worker thread
@@ -150,6 +163,12 @@ class SnapshotRun:
         key = notebook_key(self.path)
         self.plan = plan = plan_snapshot(self.head, notebook_threads(repo.threads(), key),
                                          self.thread)
+        if self.aside is not None and self.head.commit is not None and unchanged_since(
+                repo.get_commit(self.head.commit).metadata or {}, self.execution_count,
+                self.described or {}):
+            self.kept_aside = True
+            tip = repo.threads().get(self.aside)
+            self.plan = plan = SnapshotPlan(self.aside, (self.head.commit,), tip)
         metadata = {
             "notebook_path": self.path, "notebook_key": key, "thread": plan.thread,
             "kernel_id": km.kernel_id, "kernel_name": km.kernel_name,
@@ -157,12 +176,18 @@ class SnapshotRun:
             "connection": saved_connection(km.get_connection_info()),
             "infinijup_version": __version__, "gpu": None, **(self.described or {}),
         }
+        if self.kept_aside:
+            metadata["thread"], metadata["aside"] = "", "unchanged since its parent"
+            return {"thread": self.aside, "metadata": metadata,
+                    "parents": list(plan.parents), "expected_tip": plan.expected_tip}
         return {"thread": store_thread(key, plan.thread), "metadata": metadata,
                 "parents": list(plan.parents), "expected_tip": plan.expected_tip}
 
     def replan(self, _conflict) -> dict:  # noqa: ANN001 - in the engine's thread
         """The thread moved meanwhile (someone else snapshotted onto it): the same images go
-        to a new thread."""
+        to a new thread (a snapshot kept aside: the ref as it is now)."""
+        if self.kept_aside:
+            return self.plan_now()
         self.head = Head(commit=self.head.commit, thread=None, base_thread=self.plan.thread)
         self.thread = None
         return self.plan_now()

@@ -112,6 +112,38 @@ async def test_hibernated_kernel_has_no_process_and_wakes_on_the_next_cells(
     assert psutil.pid_exists(root_of(jp_serverapp, nb.kernel_id))
 
 
+async def test_hibernation_adds_a_commit_only_when_the_kernel_changed(notebook, jp_serverapp):
+    """Issue 28, item 6: a kernel unchanged since its snapshot sleeps in a snapshot kept aside
+    (no commit of the history) and wakes onto the same head; a changed one is recorded."""
+    nb = notebook
+    await nb.execute("d = {'scores': [1, 2, 3]}\nx = 5")
+    snap = await nb.snapshot(message="mine")
+    repo = manager(jp_serverapp).repo()
+    aside = f"hibernated--{nb.kernel_id}"
+
+    done = await hibernate(nb)
+    assert done["recorded"] is False and done["commit"] != snap["commit"]
+    assert repo.threads()[aside] == done["commit"]
+    history = await nb.history()
+    assert [c["id"] for c in history["commits"]] == [snap["commit"]]
+    assert history["head"]["commit"] == snap["commit"]
+    assert await nb.value("d['scores'] + [x]") == [1, 2, 3, 5]  # wakes it
+    history = await nb.history()
+    assert history["head"] == {"thread": "main", "commit": snap["commit"],
+                               "next_thread": "main"}
+    assert aside not in repo.threads()  # awake: gc may take the snapshot kept aside
+
+    # a change made in place since the snapshot: this hibernation is a commit of the history
+    await nb.execute("d['scores'].append(4)")
+    done = await hibernate(nb)
+    assert done["recorded"] is True
+    history = await nb.history()
+    assert [c["id"] for c in history["commits"]] == [done["commit"], snap["commit"]]
+    assert history["head"]["commit"] == done["commit"]
+    assert await nb.value("d['scores']") == [1, 2, 3, 4]
+    assert aside not in repo.threads()
+
+
 async def test_a_busy_kernel_is_never_hibernated(notebook, jp_serverapp, tmp_path):
     nb = notebook
     flag = tmp_path / "go"

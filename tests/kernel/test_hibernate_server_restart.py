@@ -42,6 +42,9 @@ async def test_hibernated_at_shutdown_wakes_in_the_next_server(helper_daemon):
         first.start()
         nb = await _notebook(first)
         await nb.execute("import random\nrandom.seed(4)\nx = 41", timeout=300)
+        code, snap = first.request("POST", "/infinijup/snapshot",
+                                   {"kernel_id": nb.kernel_id, "message": "mine"})
+        assert code == 201, snap
         nb.ws.close()
         first.stop()  # SIGTERM: the server hibernates its idle kernel, then ends it
 
@@ -51,6 +54,8 @@ async def test_hibernated_at_shutdown_wakes_in_the_next_server(helper_daemon):
         assert record["path"] == NB
         commit = Repository.open_or_init(store).get_commit(record["commit"])
         assert commit.message == "hibernated (server stopping)"
+        # unchanged since "mine": kept aside, and the record says where the kernel stood
+        assert list(commit.parents) == [snap["commit"]] and record["head"]["commit"] == snap["commit"]
 
         second.start()
         nb = await _notebook(second)
@@ -59,6 +64,9 @@ async def test_hibernated_at_shutdown_wakes_in_the_next_server(helper_daemon):
         assert not list((base / "store-hibernated").glob("*.json"))  # woken: record gone
         code, status = second.request("GET", f"/infinijup/status?kernel_id={nb.kernel_id}")
         assert code == 200 and status["state"] == "running", status
+        code, history = second.request("GET", f"/infinijup/history?kernel_id={nb.kernel_id}")
+        assert code == 200 and [c["id"] for c in history["commits"]] == [snap["commit"]]
+        assert history["head"]["commit"] == snap["commit"], history["head"]
         nb.ws.close()
     finally:
         first.stop()
