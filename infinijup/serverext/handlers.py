@@ -16,6 +16,7 @@ from jupyter_server.utils import url_path_join
 
 from .. import kernel_auth
 from ..errors import BadRequest, InfinijupError
+from . import space
 
 _REQUEST_ID = re.compile(r"^[0-9a-f]{32}$")
 
@@ -231,6 +232,12 @@ class ReleaseHandler(KernelActionHandler):
     action = "release"
 
 
+class CancelHandler(KernelActionHandler):
+    """POST {"kernel_id"}: give up what waits for the busy kernel (manager.cancel)."""
+
+    action = "cancel"
+
+
 class WakeHandler(KernelActionHandler):
     action = "wake"
 
@@ -254,6 +261,34 @@ class StatusHandler(InfinijupHandler):
         await self.call(self.manager.status(kernel_id))
 
 
+class DeleteHandler(InfinijupHandler):
+    """POST {"kernel_id" or "path", "commit" or "thread"}: delete from the notebook's history
+    (space.py); 409 with the reason when something still needs it."""
+
+    @tornado.web.authenticated
+    @allowed
+    async def post(self) -> None:
+        try:
+            body = self.body()
+            self.own_kernel(None)  # never a kernel's own request
+            kernel_id, path = _str(body, "kernel_id"), _str(body, "path")
+            commit, thread = _str(body, "commit"), _str(body, "thread")
+        except InfinijupError as exc:
+            return await self.call(_raise(exc))
+        await self.call(space.delete_snapshot_or_thread(
+            self.manager, kernel_id=kernel_id, path=path, commit=commit, thread=thread))
+
+
+class StatsHandler(InfinijupHandler):
+    """GET: the store's and the hot tier's sizes."""
+
+    @tornado.web.authenticated
+    @allowed
+    async def get(self) -> None:
+        self.own_kernel(None)
+        await self.call(space.stats(self.manager))
+
+
 async def _raise(exc: Exception):
     raise exc
 
@@ -268,7 +303,10 @@ def setup_handlers(web_app) -> None:
         ("hibernate", HibernateHandler),
         ("release", ReleaseHandler),
         ("wake", WakeHandler),
+        ("cancel", CancelHandler),
         ("history", HistoryHandler),
         ("status", StatusHandler),
+        ("delete", DeleteHandler),
+        ("stats", StatsHandler),
     ]
     web_app.add_handlers(".*$", [(url_path_join(base, "infinijup", name), h) for name, h in routes])
