@@ -12,6 +12,7 @@ import ast
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
 from queue import Empty
 
 from ..errors import Conflict, RestoreFailed
@@ -31,34 +32,81 @@ async def _shell_reply(kc, msg_id: str, timeout: float) -> dict:
             return msg
 
 
-async def run_agent(km, expression: str, timeout: float, then_key: bytes | None = None) -> dict:
+LATE_WAIT = 600.0  # how long a request given up on is still listened for (see run_agent)
+_late: set[asyncio.Task] = set()
+
+
+async def run_agent(km, expression: str, timeout: float, then_key: bytes | None = None,  # noqa: ANN001
+                    late: Callable[[dict], Awaitable[None]] | None = None,
+                    cancel: asyncio.Event | None = None) -> dict:
     """Evaluate ``expression`` (returning a JSON string) in the kernel once it is idle.
 
-    The request waits behind any running cell; past ``timeout`` it raises Conflict (409) and the
-    running cell is left alone. ``then_key``: the request is signed with the session's key of
-    now, the reply is read with this one (the expression gives the kernel a new key).
+    The request waits behind any running cell; past ``timeout`` (or once ``cancel`` is set) it
+    raises Conflict (409) and the running cell is left alone. ``then_key``: the request is
+    signed with the session's key of now, the reply is read with this one (the expression gives
+    the kernel a new key).
+
+    A request given up on stays in the kernel's queue and runs when the cell ends. Agent calls
+    that change the kernel (quiesce, release) carry a deadline and do nothing past it
+    (``{"stale": true}``); for one that started just before, ``late`` gets its answer and
+    undoes it (the reply is listened for ``LATE_WAIT`` s more).
     """
     kc = km.client()
     kc.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+    handed_over = False
     try:
         msg_id = kc.execute("", silent=True, store_history=False,
                             user_expressions={"r": expression})
         if then_key is not None:  # signed and queued: what comes back is signed anew
             kc.session.key = then_key
+        waiting = asyncio.ensure_future(_shell_reply(kc, msg_id, timeout))
+        stop = asyncio.ensure_future(cancel.wait()) if cancel is not None else None
         try:
-            reply = await _shell_reply(kc, msg_id, timeout)
-        except (TimeoutError, asyncio.TimeoutError):
-            raise Conflict(
-                f"the kernel stayed busy for {timeout:.0f} s: wait for the running cell to "
-                "finish (or interrupt it) and try again",
-                reason="kernel_busy",
-            ) from None
-        expr = reply["content"].get("user_expressions", {}).get("r", {})
-        if expr.get("status") != "ok":
-            return {"error": expr.get("evalue", "agent failed")}
-        return json.loads(ast.literal_eval(expr["data"]["text/plain"]))
+            await asyncio.wait({waiting} | ({stop} if stop else set()),
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if stop is not None:
+                stop.cancel()
+        if waiting.done() and not isinstance(waiting.exception(), TimeoutError):
+            return _result(waiting.result())  # (or raises what went wrong)
+        waiting.cancel()
+        if late is not None:
+            handed_over = True
+            task = asyncio.ensure_future(_late_reply(kc, msg_id, late))
+            _late.add(task)
+            task.add_done_callback(_late.discard)
+        if cancel is not None and cancel.is_set():
+            raise Conflict("cancelled while the kernel was busy: the running cell goes on",
+                           reason="cancelled")
+        raise Conflict(
+            f"the kernel stayed busy for {timeout:.0f} s: wait for the running cell to "
+            "finish (or interrupt it) and try again",
+            reason="kernel_busy",
+        )
+    finally:
+        if not handed_over:
+            kc.stop_channels()
+
+
+def _result(reply: dict) -> dict:
+    expr = reply["content"].get("user_expressions", {}).get("r", {})
+    if expr.get("status") != "ok":
+        return {"error": expr.get("evalue", "agent failed")}
+    return json.loads(ast.literal_eval(expr["data"]["text/plain"]))
+
+
+async def _late_reply(kc, msg_id: str, late: Callable[[dict], Awaitable[None]]) -> None:  # noqa: ANN001
+    try:
+        result = _result(await _shell_reply(kc, msg_id, LATE_WAIT))
+    except Exception:
+        return
     finally:
         kc.stop_channels()
+    if not result.get("stale"):
+        try:
+            await late(result)
+        except Exception:
+            pass
 
 
 async def wait_answering(km, timeout: float) -> float:

@@ -66,6 +66,8 @@ class Operation:
     percent: float = 0
     commit: str | None = None
     reason: str | None = None
+    # set to give up waiting for a busy kernel (POST /infinijup/cancel); nothing else stops
+    cancel: asyncio.Event = field(default_factory=asyncio.Event, repr=False, compare=False)
 
     def summary(self) -> dict:
         return {"op": self.op, "op_id": self.op_id, "phase": self.phase, "commit": self.commit,

@@ -8,6 +8,7 @@ error in a user expression would set ``sys.last_*``) or write to the user's name
 from __future__ import annotations
 
 import json
+import time
 
 from . import describe, gpu_vmm, hooks, isolation
 
@@ -37,9 +38,20 @@ def _answer(ip, info: dict) -> str:  # noqa: ANN001
     return json.dumps(info)
 
 
-def quiesce() -> str:
+def _stale(ip, deadline: float | None) -> str | None:  # noqa: ANN001
+    """The server gave up on this request (it waited behind a cell past ``deadline``): do
+    nothing, say so (engine/kernel_channel.run_agent)."""
+    if isinstance(deadline, (int, float)) and time.time() > deadline:
+        return _answer(ip, {"stale": True})
+    return None
+
+
+def quiesce(deadline: float | None = None) -> str:
     """Bring the kernel to a point safe to freeze; report its last cell and its variables."""
     ip = _shell()
+    stale = _stale(ip, deadline)
+    if stale is not None:
+        return stale
     try:
         info = hooks.run_quiesce()
     except Exception as exc:
@@ -52,12 +64,15 @@ def quiesce() -> str:
     return _answer(ip, info)
 
 
-def release() -> str:
+def release(deadline: float | None = None) -> str:
     """An idle kernel gives its GPUs back (serverext/hibernation.py): the quiesce hooks move
     PyTorch's segments into the arena file at copy-engine speed and release the libraries'
     caches, so that the helper's driver checkpoint takes only what is left (the CUDA context,
     other libraries' memory). ``resume`` brings the segments back once the server says go."""
     ip = _shell()
+    stale = _stale(ip, deadline)
+    if stale is not None:
+        return stale
     try:
         info = hooks.run_quiesce()
     except Exception as exc:

@@ -122,6 +122,7 @@ class SnapshotManager(LoggingConfigurable):
         self._repo: Repository | None = None
         self._repo_lock = threading.Lock()
         self._tasks: set[asyncio.Task] = set()
+        self._busy_waits: dict[str, set[asyncio.Event]] = {}  # kernel id -> waits to cancel
         self.lifecycle = Lifecycle(on_move=self._moved)
         self.events = Events(serverapp, self.log)
         self.heads = history.Heads(serverapp.kernel_manager)
@@ -141,6 +142,12 @@ class SnapshotManager(LoggingConfigurable):
                                                        request_id, execution_count, described)
 
     async def restore(self, kernel_id: str, ref: str, **kwargs) -> dict:
+        """A restore asked for over REST waits for a running cell as a snapshot does (409 past
+        ``busy_timeout``): it never ends a cell the user is running (interrupt it first). A
+        resting kernel has no cell to wait for."""
+        km = self.kernel(kernel_id)
+        if not self.lifecycle.resting(kernel_id):
+            await self.wait_idle(km)
         return await restore_flow.restore(self, kernel_id, ref, **kwargs)
 
     async def restore_for_kernel(self, kernel_id: str, ref: str, branch: str | None) -> dict:
@@ -271,12 +278,39 @@ class SnapshotManager(LoggingConfigurable):
         return self.heads.get(kernel_id).commit is not None
 
     async def wait_idle(self, km) -> None:
+        """Until the kernel's running cell ends: 409 ``kernel_busy`` past ``busy_timeout``,
+        409 ``cancelled`` on ``cancel``; never interrupts the cell."""
         deadline = time.monotonic() + self.busy_timeout
-        while getattr(km, "execution_state", "idle") not in ("idle", "dead"):
-            if time.monotonic() > deadline:
-                raise Conflict(f"the kernel stayed busy for {self.busy_timeout:.0f} s",
-                               reason="kernel_busy")
-            await asyncio.sleep(0.05)
+        stop = asyncio.Event()
+        waits = self._busy_waits.setdefault(km.kernel_id, set())
+        waits.add(stop)
+        try:
+            while getattr(km, "execution_state", "idle") not in ("idle", "dead"):
+                if stop.is_set():
+                    raise Conflict("cancelled while the kernel was busy: the running cell "
+                                   "goes on", reason="cancelled")
+                if time.monotonic() > deadline:
+                    raise Conflict(f"the kernel stayed busy for {self.busy_timeout:.0f} s: wait "
+                                   "for the running cell to finish (or interrupt it) and try "
+                                   "again", reason="kernel_busy")
+                await asyncio.sleep(0.05)
+        finally:
+            waits.discard(stop)
+
+    async def cancel(self, kernel_id: str) -> dict:
+        """Give up what waits for this busy kernel (a snapshot, restore, hibernation or
+        release not yet begun): each answers 409 ``cancelled``; the running cell goes on.
+        What has begun (a dump, a restore) is not stopped."""
+        self.kernel(kernel_id)
+        n = 0
+        for stop in list(self._busy_waits.get(kernel_id, ())):
+            stop.set()
+            n += 1
+        op = self.lifecycle.operation(kernel_id)
+        if op is not None and op.phase in ("queued", "quiesce") and not op.cancel.is_set():
+            op.cancel.set()
+            n += 1
+        return {"kernel_id": kernel_id, "cancelled": n}
 
     async def resume_hooks(self, km, restored: bool, committed: bool = True,
                            segments: str | None = None) -> None:
@@ -340,8 +374,13 @@ class SnapshotManager(LoggingConfigurable):
         (``{"fallback": why}``)."""
         if not self.gpu_release_through_arena:
             return {}
-        info = await run_agent(self.kernel(kernel_id), agent.expression("release"),
-                               self.busy_timeout)
+        deadline = time.time() + self.busy_timeout
+
+        async def undo(info: dict) -> None:  # a release that ran after we gave up on it
+            await self.bring_back_gpu(kernel_id, (info.get("gpu_segments") or {}).get("token"))
+
+        info = await run_agent(self.kernel(kernel_id), agent.expression("release", deadline),
+                               self.busy_timeout, late=undo)
         return info.get("gpu_segments") or {}
 
     async def bring_back_gpu(self, kernel_id: str, token: str | None) -> dict:

@@ -105,9 +105,7 @@ class SnapshotRun:
         async with Steps(m.log) as step:
             if not self.from_kernel:  # %snapshot quiesced itself before asking
                 m.events.emit(op, "quiesce", 10)
-                info = await step("quiesce", run_agent(self.km, agent.expression("quiesce"),
-                                                       m.busy_timeout),
-                                  undo=self.kernel_goes_on)
+                info = await step("quiesce", self.quiesce(), undo=self.kernel_goes_on)
                 self.execution_count, self.described = info.get("execution_count"), info
             t_quiesce = time.perf_counter() - self.t0
             self.described = agent.commit_metadata(self.described)
@@ -231,6 +229,16 @@ class SnapshotRun:
         else:
             self.resumed = True
             await self.m.resume_hooks(self.km, restored=False, committed=False)
+
+    async def quiesce(self) -> dict:
+        """The kernel's quiesce hooks and description, once its running cell has ended: a
+        409 past ``busy_timeout`` or on ``cancel``; a quiesce that started just as the server
+        gave up is undone when it answers (kernel_channel.run_agent)."""
+        m = self.m
+        deadline = time.time() + m.busy_timeout
+        return await run_agent(self.km, agent.expression("quiesce", deadline), m.busy_timeout,
+                               late=lambda _info: self.kernel_goes_on(),
+                               cancel=self.op.cancel)
 
     async def kernel_goes_on(self) -> None:
         """No commit: the kernel keeps its parent's fingerprints, and runs on."""

@@ -28,6 +28,7 @@ import {
 } from './actions';
 import { SnapshotButtonExtension } from './button';
 import { CommandIDs } from './commandids';
+import { asRequestError } from './errors';
 import { shortId } from './format';
 import { branchIcon, historyIcon, restoreIcon, snapshotIcon } from './icons';
 import { ManagedKernels } from './kernels';
@@ -51,9 +52,21 @@ const CATEGORY = 'Infinijup';
 
 /** Notification options for JupyterLab: error details become an action. */
 function jlOptions(options: INotifyOptions = {}) {
-  const { details, ...rest } = options;
+  const { details, cancel, ...rest } = options;
+  if (cancel) {
+    return {
+      ...rest,
+      actions: [
+        {
+          label: 'Cancel',
+          caption: 'Stop waiting for the running cell (it goes on)',
+          callback: cancel
+        }
+      ]
+    };
+  }
   if (!details) {
-    return rest;
+    return { ...rest, actions: [] };
   }
   return {
     ...rest,
@@ -117,8 +130,17 @@ const plugin: JupyterFrontEndPlugin<void> = {
           p.sessionContext.session?.kernel?.id === kernelId ||
           (!!path && sessionPath(p) === path)
       );
+    const cancelClient = new RestClient(serviceManager.serverSettings);
     const progress = new ProgressTracker({
       notifier,
+      onCancel: kernelId => {
+        cancelClient.cancel(kernelId).catch(error => {
+          Notification.error(
+            `Could not cancel: ${asRequestError(error).message}`,
+            { autoClose: 5000 }
+          );
+        });
+      },
       isRelevant: ev => !!kernelOfEvent(ev.kernel_id, ev.path),
       describe: ev => {
         const panel = kernelOfEvent(ev.kernel_id, ev.path);

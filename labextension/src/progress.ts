@@ -30,6 +30,8 @@ export interface INotifyOptions {
   progress?: number;
   /** The full error, for a "Details" action (messages are cut at 140). */
   details?: { title: string; message: string; reason: string };
+  /** Give up waiting (a "Cancel" action while the kernel runs a cell). */
+  cancel?: () => void;
 }
 
 /**
@@ -68,6 +70,23 @@ export class ProgressTracker {
     this._describe = options.describe ?? (ev => ev.path || ev.kernel_id);
     this._successAutoClose = options.successAutoClose ?? 5000;
     this._settleMs = options.settleMs ?? 250;
+    this._onCancel = options.onCancel ?? null;
+  }
+
+  /**
+   * A "Cancel" for an operation still waiting for the kernel's running cell
+   * (POST /infinijup/cancel); null where none can be offered.
+   *
+   * @internal
+   */
+  _cancelFor(handle: OperationHandle, phase: string): (() => void) | null {
+    const onCancel = this._onCancel;
+    if (!onCancel || !handle.kernelId) {
+      return null;
+    }
+    return phase === 'queued' || phase === 'quiesce'
+      ? () => onCancel(handle.kernelId)
+      : null;
   }
 
   /**
@@ -217,6 +236,7 @@ export class ProgressTracker {
   private _describe: (event: IOperationEvent) => string;
   private _successAutoClose: number;
   private _settleMs: number;
+  private _onCancel: ((kernelId: string) => void) | null;
   private _handles: OperationHandle[] = [];
   private _byOpId = new Map<string, OperationHandle>();
   private _finishedOps = new Set<string>();
@@ -236,6 +256,8 @@ export namespace ProgressTracker {
      * (default 250; 0 updates at once, for tests).
      */
     settleMs?: number;
+    /** Give up what waits for a busy kernel (offered while it waits). */
+    onCancel?: (kernelId: string) => void;
   }
 }
 
@@ -326,13 +348,18 @@ export class OperationHandle {
     // Progress only moves forward (events may be reordered by the bus).
     this.percent = Math.max(this.percent, event.percent);
     const detail = event.message ? ` · ${event.message}` : '';
+    const cancel = this._tracker._cancelFor(this, event.phase);
     this._tracker._notify(
       this,
       `${this.label}: ${PHASE_LABELS[event.phase] ?? event.phase} ${progressBar(
         this.percent
       )} ${Math.round(this.percent)}%${detail}`,
       'in-progress',
-      { autoClose: false, progress: this.percent / 100 }
+      {
+        autoClose: false,
+        progress: this.percent / 100,
+        ...(cancel ? { cancel } : {})
+      }
     );
   }
 
@@ -435,6 +462,14 @@ export function failureText(
   message: string,
   reason?: string
 ): string {
+  // The reasons whose messages are too long to read whole in a toast say it
+  // short (the whole message is behind "Details").
+  if (reason === 'kernel_busy') {
+    message =
+      'the kernel is running a cell: interrupt it or retry when it ends';
+  } else if (reason === 'cancelled') {
+    return `${label} cancelled: the running cell goes on`;
+  }
   const head = `${label} failed: `;
   const tail = reason ? ` (${reason})` : '';
   const room = MAX_MESSAGE - head.length - tail.length;

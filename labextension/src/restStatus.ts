@@ -39,6 +39,15 @@ export class RestClient implements IRestAPI {
     );
   }
 
+  /** Give up what waits for the kernel's running cell (docs/api.md). */
+  cancel(kernelId: string): Promise<{ cancelled?: number }> {
+    return requestAPI(
+      'cancel',
+      { method: 'POST', body: JSON.stringify({ kernel_id: kernelId }) },
+      this.serverSettings
+    );
+  }
+
   wake(kernelId: string): Promise<{ state?: string }> {
     return requestAPI(
       'wake',

@@ -19,6 +19,7 @@ interface INote {
   type: NotificationKind;
   autoClose?: number | false;
   progress?: number;
+  cancel?: () => void;
 }
 
 class FakeNotifier implements INotifier {
@@ -39,7 +40,7 @@ class FakeNotifier implements INotifier {
     if (!note) {
       return false;
     }
-    Object.assign(note, { progress: undefined }, args);
+    Object.assign(note, { progress: undefined, cancel: undefined }, args);
     return true;
   }
 
@@ -72,6 +73,22 @@ describe('ProgressTracker', () => {
       isRelevant: ev => ev.kernel_id === 'k1',
       settleMs: 0
     });
+  });
+
+  it('offers Cancel only while the operation waits for a busy kernel', () => {
+    const cancelled: string[] = [];
+    tracker = new ProgressTracker({
+      notifier,
+      settleMs: 0,
+      onCancel: kernelId => cancelled.push(kernelId)
+    });
+    tracker.begin('snapshot', 'k1', 'Snapshot of nb.ipynb');
+    tracker.handleEvent(event({ phase: 'quiesce', percent: 10 }));
+    expect(notifier.notes[0].cancel).toBeDefined();
+    notifier.notes[0].cancel!();
+    expect(cancelled).toEqual(['k1']);
+    tracker.handleEvent(event({ phase: 'dump', percent: 30 }));
+    expect(notifier.notes[0].cancel).toBeUndefined();
   });
 
   it('follows a resume by notebook path (its kernel is new)', () => {
@@ -308,6 +325,21 @@ describe('failureText', () => {
       'S failed: disk full (store_failed)'
     );
     expect(failureText('S', 'boom')).toBe('S failed: boom');
+  });
+
+  it('says busy and cancelled short, whole within 140 characters', () => {
+    const busy = failureText(
+      'Snapshot of a-notebook-with-a-rather-long-name.ipynb',
+      'the kernel stayed busy for 30 s: wait for the running cell to finish (or interrupt it) and try again',
+      'kernel_busy'
+    );
+    expect(busy).toBe(
+      'Snapshot of a-notebook-with-a-rather-long-name.ipynb failed: the kernel is running a cell: interrupt it or retry when it ends (kernel_busy)'
+    );
+    expect(busy.length).toBeLessThanOrEqual(140);
+    expect(
+      failureText('Snapshot of nb.ipynb', 'cancelled while...', 'cancelled')
+    ).toBe('Snapshot of nb.ipynb cancelled: the running cell goes on');
   });
 
   it('passes the full error to the notifier for a details action', () => {

@@ -411,7 +411,7 @@ describe('RestActions', () => {
     expect(notifier.notes).toHaveLength(1);
     expect(notifier.notes[0].type).toBe('error');
     expect(notifier.notes[0].message).toBe(
-      'Hibernate of nb.ipynb failed: the kernel stayed busy for 10 s (kernel_busy)'
+      'Hibernate of nb.ipynb failed: the kernel is running a cell: interrupt it or retry when it ends (kernel_busy)'
     );
     expect(notifier.notes[0].options.details).toEqual({
       title: 'Hibernate of nb.ipynb failed',
