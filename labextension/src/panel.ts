@@ -7,6 +7,7 @@
  * its buttons.
  */
 
+import { Dialog, Notification, showDialog } from '@jupyterlab/apputils';
 import { PathExt } from '@jupyterlab/coreutils';
 import type { NotebookPanel } from '@jupyterlab/notebook';
 import {
@@ -15,6 +16,7 @@ import {
   Toolbar
 } from '@jupyterlab/ui-components';
 import type { CommandRegistry } from '@lumino/commands';
+import type { IDisposable } from '@lumino/disposable';
 import { Panel, Widget } from '@lumino/widgets';
 
 import type { InfinijupActions } from './actions';
@@ -39,10 +41,17 @@ import {
 import { esc, GraphView } from './graphview';
 import { historyIcon } from './icons';
 import type { HistoryModel } from './model';
+import type { INotifier } from './progress';
+import { InfinijupClient } from './request';
+import { Confirm, spaceLine, SpaceActions } from './restActions';
 import { ICommit, IVariableInfo, PHASE_LABELS } from './types';
 
 /** JupyterLab's command that opens the kernel selector of a notebook. */
 export const CHANGE_KERNEL_COMMAND = 'notebook:change-kernel';
+
+/** The panel's own commands (its rows' context menu: labextension/schema/plugin.json). */
+export const DELETE_SNAPSHOT_COMMAND = 'infinijup:delete-snapshot';
+export const DELETE_THREAD_COMMAND = 'infinijup:delete-thread';
 
 const OP_NAMES = { snapshot: 'Snapshot', restore: 'Restore', resume: 'Resume' };
 
@@ -60,8 +69,13 @@ export class HistoryPanel extends Panel {
     const header = new Widget();
     header.addClass('jp-Infinijup-header');
     header.node.innerHTML =
-      '<h2 class="jp-Infinijup-title">Kernel history</h2><div class="jp-Infinijup-notebook"></div>';
+      '<h2 class="jp-Infinijup-title">Kernel history</h2><div class="jp-Infinijup-notebook"></div>' +
+      '<div class="jp-Infinijup-space" title="What the snapshot store takes on disk, and the hot tier: recent snapshots kept uncompressed for fast restores"></div>';
     this._notebookLabel = header.node.querySelector('.jp-Infinijup-notebook')!;
+    this._spaceLabel = header.node.querySelector('.jp-Infinijup-space')!;
+    this._space =
+      options.space ??
+      new SpaceActions(new InfinijupClient(), labNotifier, labConfirm);
     this.addWidget(header);
 
     const toolbar = new Toolbar();
@@ -123,6 +137,9 @@ export class HistoryPanel extends Panel {
 
     this.graph = new GraphView(this.model);
     this.addWidget(this.graph);
+    // The row a context menu opened on (its commands act on that snapshot).
+    this.graph.node.addEventListener('contextmenu', this._onContextMenu, true);
+    this._commandsAdded = this._addCommands();
 
     this.model.changed.connect(this._onModelChanged, this);
     this._actions.managed.changed.connect(this._renderAll, this);
@@ -167,6 +184,14 @@ export class HistoryPanel extends Panel {
       return;
     }
     this.setNotebook(null);
+    for (const command of this._commandsAdded) {
+      command.dispose();
+    }
+    this.graph.node.removeEventListener(
+      'contextmenu',
+      this._onContextMenu,
+      true
+    );
     this._details.node.removeEventListener('click', this._onDetailsClick);
     this._status.node.removeEventListener('click', this._onStatusClick);
     super.dispose();
@@ -205,6 +230,10 @@ export class HistoryPanel extends Panel {
       case 'operation':
       case 'state':
         this._renderStatus();
+        break;
+      case 'history':
+        this._renderAll();
+        void this.refreshSpace();
         break;
       default:
         this._renderAll();
@@ -482,6 +511,7 @@ export class HistoryPanel extends Panel {
         ? `<div class="jp-Infinijup-warning" role="note">Cannot be resumed here: ${esc(reason)}</div>`
         : '') +
       `<div class="jp-Infinijup-actions">${buttons.join('')}</div>` +
+      this._deleteRow(commit) +
       this._compareSection(commit) +
       this._variablesSection(commit) +
       '<table class="jp-Infinijup-details-table"><tbody>' +
@@ -511,6 +541,147 @@ export class HistoryPanel extends Panel {
         metadata
       )}</pre></details>`;
   }
+
+  /** "Delete snapshot" and "Delete thread …" under the actions. */
+  private _deleteRow(commit: ICommit): string {
+    const thread = this._threadOf(commit.id);
+    return (
+      '<div class="jp-Infinijup-delete">' +
+      `<button class="jp-Button jp-mod-styled" data-delete="snapshot" title="${esc(
+        'Delete this snapshot and free its space (only a snapshot no later snapshot builds on)'
+      )}">Delete snapshot</button>` +
+      (thread
+        ? `<button class="jp-Button jp-mod-styled" data-delete="thread" data-thread="${esc(
+            thread
+          )}" title="${esc(
+            `Delete thread ${thread} and the snapshots only it has`
+          )}">Delete thread ${esc(thread)}</button>`
+        : '') +
+      '</div>'
+    );
+  }
+
+  /** The thread "Delete thread" offers for a commit: one it is the tip of, else its own. */
+  private _threadOf(commitId: string | null | undefined): string | null {
+    const commit = this.model.getCommit(commitId);
+    if (!commit) {
+      return null;
+    }
+    const tips = this.model.tips.get(commit.id) ?? [];
+    if (tips.length) {
+      return tips.includes(commit.thread) ? commit.thread : tips[0];
+    }
+    return commit.thread in this.model.threads ? commit.thread : null;
+  }
+
+  /** Ask the server for the sizes and show them in the header. */
+  async refreshSpace(): Promise<void> {
+    const stats = await this._space.stats();
+    if (this.isDisposed) {
+      return;
+    }
+    this._spaceLabel.textContent = spaceLine(stats);
+    this._spaceLabel.title = stats
+      ? `The snapshot store takes ${spaceLine(stats).replace(/^Store /, '')} on disk (${stats.commits} snapshots, ${stats.threads} threads); hot copies are recent snapshots kept uncompressed for fast restores${
+          stats.hot_entries !== null ? ` (${stats.hot_entries} now)` : ''
+        }.`
+      : '';
+  }
+
+  /** Delete a snapshot of the shown notebook (asks first); refreshes after. */
+  async deleteSnapshot(commitId: string): Promise<boolean> {
+    const target = this._spaceTarget();
+    if (!target || !this.model.getCommit(commitId)) {
+      return false;
+    }
+    const done = await this._space.deleteSnapshot(target, this.model, commitId);
+    return this._deleted(done !== null);
+  }
+
+  /** Delete a thread of the shown notebook (asks first); refreshes after. */
+  async deleteThread(name: string): Promise<boolean> {
+    const target = this._spaceTarget();
+    if (!target || !(name in this.model.threads)) {
+      return false;
+    }
+    const done = await this._space.deleteThread(target, this.model, name);
+    return this._deleted(done !== null);
+  }
+
+  private async _deleted(done: boolean): Promise<boolean> {
+    if (done) {
+      await this.model.refresh();
+      // the model checks its selection against its cache of the old history
+      const selected = this.model.selected;
+      if (selected && !this.model.getCommit(selected)) {
+        this.model.select(null);
+      }
+      await this.refreshSpace();
+    }
+    return done;
+  }
+
+  private _spaceTarget(): { path: string; kernelId: string | null } | null {
+    const target = this.model.target;
+    return target ? { path: target.path, kernelId: target.kernelId } : null;
+  }
+
+  private _addCommands(): IDisposable[] {
+    const added: IDisposable[] = [];
+    const commitOf = (args: { [key: string]: any }): string | null =>
+      typeof args.commit === 'string' && args.commit
+        ? args.commit
+        : args.fromContextMenu && this._contextCommit
+          ? this._contextCommit
+          : this.model.selected;
+    if (!this._commands.hasCommand(DELETE_SNAPSHOT_COMMAND)) {
+      added.push(
+        this._commands.addCommand(DELETE_SNAPSHOT_COMMAND, {
+          label: args => {
+            const id = commitOf(args);
+            return id ? `Delete Snapshot ${shortId(id)}…` : 'Delete Snapshot…';
+          },
+          caption: 'Delete a snapshot and free its space',
+          isEnabled: args => !!this.model.getCommit(commitOf(args)),
+          execute: args => {
+            const id = commitOf(args);
+            return id ? this.deleteSnapshot(id) : false;
+          }
+        })
+      );
+    }
+    if (!this._commands.hasCommand(DELETE_THREAD_COMMAND)) {
+      added.push(
+        this._commands.addCommand(DELETE_THREAD_COMMAND, {
+          label: args => {
+            const name =
+              typeof args.thread === 'string'
+                ? args.thread
+                : this._threadOf(commitOf(args));
+            return name ? `Delete Thread ${name}…` : 'Delete Thread…';
+          },
+          caption: 'Delete a thread and the snapshots only it has',
+          isEnabled: args =>
+            typeof args.thread === 'string' || !!this._threadOf(commitOf(args)),
+          execute: args => {
+            const name =
+              typeof args.thread === 'string'
+                ? args.thread
+                : this._threadOf(commitOf(args));
+            return name ? this.deleteThread(name) : false;
+          }
+        })
+      );
+    }
+    return added;
+  }
+
+  private _onContextMenu = (event: MouseEvent) => {
+    const row = (event.target as HTMLElement | null)?.closest<HTMLElement>(
+      '[data-commit-id]'
+    );
+    this._contextCommit = row?.dataset.commitId ?? null;
+  };
 
   /** The variables the commit changed (and, folded, all of them). */
   private _variablesSection(commit: ICommit): string {
@@ -640,6 +811,15 @@ export class HistoryPanel extends Panel {
   private _onDetailsClick = (event: MouseEvent) => {
     const target = event.target as HTMLElement;
     const commit = this.model.selected;
+    const remove = target.closest<HTMLElement>('[data-delete]');
+    if (remove && commit) {
+      if (remove.dataset.delete === 'thread' && remove.dataset.thread) {
+        void this.deleteThread(remove.dataset.thread);
+      } else if (remove.dataset.delete === 'snapshot') {
+        void this.deleteSnapshot(commit);
+      }
+      return;
+    }
     const button = target.closest<HTMLElement>('[data-action]');
     if (button && commit) {
       const notebookId = this._notebook?.id;
@@ -697,6 +877,10 @@ export class HistoryPanel extends Panel {
 
   private _actions: InfinijupActions;
   private _commands: CommandRegistry;
+  private _space: SpaceActions;
+  private _spaceLabel: HTMLElement;
+  private _contextCommit: string | null = null;
+  private _commandsAdded: IDisposable[];
   private _notebook: NotebookPanel | null = null;
   private _notebookLabel: HTMLElement;
   private _fold: Widget;
@@ -713,8 +897,33 @@ export namespace HistoryPanel {
     model: HistoryModel;
     actions: InfinijupActions;
     commands: CommandRegistry;
+    /** Deletes and sizes (default: the server's, with JupyterLab's dialogs). */
+    space?: SpaceActions;
   }
 }
+
+/** JupyterLab's notifications for the deletes. */
+const labNotifier: INotifier = {
+  emit: (message, type, options) =>
+    Notification.emit(message, type, {
+      autoClose: options?.autoClose ?? 5000
+    }),
+  update: args => Notification.update(args),
+  dismiss: id => Notification.dismiss(id)
+};
+
+/** A confirmation dialog whose body keeps its line breaks. */
+const labConfirm: Confirm = async (title, body, accept) => {
+  const content = new Widget();
+  content.addClass('jp-Infinijup-confirm');
+  content.node.textContent = body;
+  const result = await showDialog({
+    title,
+    body: content,
+    buttons: [Dialog.cancelButton(), Dialog.warnButton({ label: accept })]
+  });
+  return !!result?.button?.accept;
+};
 
 /** "DataFrame (1000, 3), 24 KiB" */
 function describeVar(v: IVariableInfo): string {

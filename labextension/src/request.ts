@@ -5,6 +5,8 @@ import { InfinijupRequestError } from './errors';
 import type {
   IBranchRequest,
   IBranchResult,
+  IDeleteRequest,
+  IDeleteResult,
   IHistory,
   IHistoryQuery,
   IInfinijupAPI,
@@ -14,7 +16,9 @@ import type {
   IResumeRequest,
   IResumeResult,
   ISnapshotRequest,
-  ISnapshotResult
+  ISnapshotResult,
+  ISpaceAPI,
+  ISpaceStats
 } from './types';
 
 /** The URL namespace of the Infinijup server extension. */
@@ -102,7 +106,7 @@ export async function requestAPI<T>(
 }
 
 /** The REST API over `requestAPI`. */
-export class InfinijupClient implements IInfinijupAPI {
+export class InfinijupClient implements IInfinijupAPI, ISpaceAPI {
   constructor(
     readonly serverSettings: ServerConnection.ISettings = ServerConnection.makeSettings()
   ) {}
@@ -135,6 +139,20 @@ export class InfinijupClient implements IInfinijupAPI {
   status(kernelId: string): Promise<IKernelStatus> {
     return requestAPI<IKernelStatus>(
       'status' + URLExt.objectToQueryString({ kernel_id: kernelId }),
+      { method: 'GET' },
+      this.serverSettings
+    );
+  }
+
+  /** Delete a snapshot or a thread of a notebook (409: something needs it). */
+  deleteFromHistory(body: IDeleteRequest): Promise<IDeleteResult> {
+    return this._post<IDeleteResult>('delete', body);
+  }
+
+  /** The store's and the hot tier's sizes. */
+  spaceStats(): Promise<ISpaceStats> {
+    return requestAPI<ISpaceStats>(
+      'stats',
       { method: 'GET' },
       this.serverSettings
     );

@@ -171,6 +171,55 @@ export interface IResumeResult {
   duration_s: number;
 }
 
+/**
+ * POST /infinijup/delete body: a snapshot (`commit`) or a thread of the
+ * notebook (its kernel's, or `path`'s). 409 with the reason when a kernel
+ * stands on it or other snapshots build on it (docs/space.md).
+ */
+export interface IDeleteRequest {
+  kernel_id?: string;
+  path?: string;
+  commit?: string;
+  thread?: string;
+}
+
+/** POST /infinijup/delete reply (200). */
+export interface IDeleteResult {
+  path: string;
+  /** The snapshot deleted (null for a thread). */
+  commit: string | null;
+  /** The thread deleted (null for a snapshot). */
+  thread: string | null;
+  /** Thread -> its new tip (null: the thread was removed). */
+  threads: { [name: string]: string | null };
+  /** Snapshots that left the store. */
+  removed: string[];
+  store_bytes: number;
+  freed_bytes: number;
+  hot_dropped: number;
+  hot_freed_bytes: number;
+}
+
+/** GET /infinijup/stats reply. */
+export interface ISpaceStats {
+  /** Bytes the store takes on disk. */
+  store_bytes: number;
+  commits: number;
+  threads: number;
+  /** Bytes of the hot tier (uncompressed recent images); null: unknown. */
+  hot_bytes: number | null;
+  hot_entries: number | null;
+  hot_budget: number;
+  /** "Store 45 MB · hot copies 2.7 GB" */
+  text: string;
+}
+
+/** Deleting and sizes, apart from IInfinijupAPI (so its fakes need not change). */
+export interface ISpaceAPI {
+  deleteFromHistory(body: IDeleteRequest): Promise<IDeleteResult>;
+  spaceStats(): Promise<ISpaceStats>;
+}
+
 /** An operation in progress, as reported by GET /infinijup/status. */
 export interface IOperationStatus {
   op: OperationKind;

@@ -75,9 +75,11 @@ async def test_delete_a_tip_and_refuse_what_kernels_stand_on(notebook, jp_server
     assert r.code == 400, r.body
 
     # hibernated: its snapshot (a new thread next to main, from s1) and its thread are refused
+    await nb.execute("changed = True")
     r = await nb.post("hibernate", {"kernel_id": nb.kernel_id})
     assert r.code == 200, r.body
     s3 = json.loads(r.body)["commit"]
+    assert s3 != s1
     threads = (await nb.history())["threads"]
     (sleeping,) = [name for name, tip in threads.items() if tip == s3]
     r = await nb.post("delete", {"path": nb.path, "commit": s3})
