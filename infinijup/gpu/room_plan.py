@@ -4,9 +4,11 @@ Releasing an idle kernel's GPU memory moves it into host memory, where it stays 
 kernel wakes. A release that host memory cannot hold fails in the driver
 (``CUDA_ERROR_OPERATING_SYSTEM``), or worse, the kernel is OOM-killed and Jupyter's restarter
 starts a fresh one: its state is lost because another notebook ran a cell. So before anything
-is released the plan checks where the bytes go: into host memory that holds them with a margin,
-or nowhere, and then the wake that asked for room is refused with the reason, every kernel left
-as it was.
+is released the plan checks where the bytes go: into host memory that holds them with a margin;
+or, for a kernel host memory cannot keep but can pass through, into the store: it is hibernated
+(snapshotted, its process ended; its GPU memory passes through host memory on the way and leaves
+it); or nowhere, and then the wake that asked for room is refused with the reason, every kernel
+left as it was.
 
 This module only decides (the numbers come from NVML and /proc/meminfo, serverext/
 hibernation.py acts), so the decision is tested without a GPU.
@@ -38,6 +40,7 @@ class Candidate:
 class RoomPlan:
     release: list[str] = field(default_factory=list)  # kernel ids, in this order
     refusal: str | None = None  # why the room cannot be made (nothing is released then)
+    hibernate: list[str] = field(default_factory=list)  # kernel ids, before the releases
 
 
 def host_memory() -> tuple[int, int]:
@@ -74,13 +77,16 @@ def release_refusal(held: dict[str, int], label: str, available: int, margin: in
 
 
 def plan_room(need: dict[str, int], free: dict[str, int], candidates: list[Candidate],
-              available: int, margin: int) -> RoomPlan:
-    """Which idle kernels to release so that ``need`` fits on its GPUs. ``candidates`` come in
-    the order they should give way (least recently active first); one whose memory host memory
-    cannot hold is passed over. Nothing is released unless the whole need is met."""
+              available: int, margin: int, can_hibernate: bool = False) -> RoomPlan:
+    """Which idle kernels give way so that ``need`` fits on its GPUs. ``candidates`` come in
+    the order they should give way (least recently active first). Each is released if host
+    memory holds it besides the releases before it; else hibernated (``can_hibernate``) if host
+    memory holds it on its way to the store (hibernations run first, one at a time, and leave
+    host memory as it was); else passed over. Nothing moves unless the whole need is met."""
     free0, free = free, dict(free)
     host = available - margin
     release: list[str] = []
+    hibernate: list[str] = []
     passed_over: list[Candidate] = []
 
     def short() -> dict[str, int]:
@@ -92,20 +98,24 @@ def plan_room(need: dict[str, int], free: dict[str, int], candidates: list[Candi
             break
         if not set(missing) & {g for g, n in c.held.items() if n > 0}:
             continue
-        if c.bytes > host:
+        if c.bytes <= host:
+            release.append(c.kernel_id)
+            host -= c.bytes
+        elif can_hibernate and c.bytes <= available - margin:
+            hibernate.append(c.kernel_id)
+        else:
             passed_over.append(c)
             continue
-        release.append(c.kernel_id)
-        host -= c.bytes
         for g, n in c.held.items():
             free[g] = free.get(g, 0) + n
     missing = short()
     if not missing:
-        return RoomPlan(release)
+        return RoomPlan(release, None, hibernate)
     wants = "; ".join(f"needs {fmt(need[g])} on GPU {gpu_name(g)}, {fmt(free0.get(g, 0))} free"
                       for g in missing)
     if passed_over:
-        why = "; ".join(f"releasing the idle kernel '{c.label}' needs {fmt(c.bytes)} of host "
+        verb = "releasing or hibernating" if can_hibernate else "releasing"
+        why = "; ".join(f"{verb} the idle kernel '{c.label}' needs {fmt(c.bytes)} of host "
                         f"memory, {fmt(available)} free" for c in passed_over)
     else:
         why = "no idle kernel holds enough memory there to give way"

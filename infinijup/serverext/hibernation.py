@@ -257,8 +257,10 @@ class Hibernation:
     async def _make_room(self, kernel_id: str, need: dict[str, int]) -> None:
         """Before a released kernel takes its GPU memory back: release the least recently
         active idle kernels that hold memory on the GPUs short of it, until it fits; never a
-        busy kernel, and never one whose memory host memory cannot hold (room_plan.py). If the
-        room cannot be made so, nothing is released and the wake is refused with the reason."""
+        busy kernel. One whose memory host memory cannot keep is hibernated instead where
+        host memory can hold it on its way to the store (``make_room_hibernate``), else passed
+        over (room_plan.py). If the room cannot be made so, nothing moves and the wake is
+        refused with the reason."""
         if not need or not self.manager.make_room_on_wake:
             return
         free = await self.manager.gpu_free()
@@ -270,9 +272,14 @@ class Hibernation:
                       for other, _idle_s in idle
                       if other != kernel_id and not self.lifecycle.resting(other)]
         available, total = self.manager.host_memory()
-        plan = plan_room(need, free, candidates, available, margin_for(total))
+        plan = plan_room(need, free, candidates, available, margin_for(total),
+                         can_hibernate=getattr(self.manager, "make_room_hibernate", False))
         if plan.refusal is not None:
             raise Conflict(plan.refusal, reason="no_room")
+        for other in plan.hibernate:  # first: each passes through host memory and leaves it
+            self.manager.log.info("infinijup: hibernating idle kernel %s to make room for %s "
+                                  "(host memory cannot keep its GPU memory)", other, kernel_id)
+            await self.hibernate(other, reason=f"room for {await self._label(kernel_id)}")
         for other in plan.release:
             self.manager.log.info("infinijup: releasing idle kernel %s to make room for %s",
                                   other, kernel_id)

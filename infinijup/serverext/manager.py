@@ -36,7 +36,7 @@ from ..helper_client import HelperClient
 from ..kernel_magics import agent
 from ..provisioner import InfinijupProvisioner
 from ..store import Repository, default_store_path
-from . import history, restore_flow, snapshot_flow
+from . import gpu_status, history, restore_flow, snapshot_flow
 from .events import EVENT_SCHEMA_ID, Events
 from .hibernation import Hibernation
 from .remote_tier import RemoteTier, budget_from_env, remote_from_env
@@ -74,6 +74,11 @@ class SnapshotManager(LoggingConfigurable):
                                         "kernels holding memory there first (never a busy "
                                         "one). Off: the wake fails with the reason."
                              ).tag(config=True)
+    make_room_hibernate = Bool(True, help="When making room, an idle kernel whose GPU memory "
+                                          "host memory cannot keep (but can pass through) is "
+                                          "hibernated to the store instead of released; its "
+                                          "next cell wakes it. Off: it is passed over."
+                               ).tag(config=True)
     gpu_release_through_arena = Bool(True, help="Release and wake move PyTorch's GPU memory "
                                                 "through the kernel's VMM arena at copy-engine "
                                                 "speed; the driver's checkpoint takes the rest. "
@@ -202,8 +207,8 @@ class SnapshotManager(LoggingConfigurable):
         return {"kernel_id": kernel_id, "state": self.lifecycle.shown(kernel_id)}
 
     async def status(self, kernel_id: str | None) -> dict:
-        if not kernel_id:
-            raise BadRequest("give kernel_id")
+        if not kernel_id:  # the whole server: who holds GPU memory, who rests (issue 27)
+            return await gpu_status.server_status(self)
         km = self.kernel(kernel_id)
         managed = isinstance(km.provisioner, InfinijupProvisioner)
         op = self.lifecycle.operation(kernel_id)
@@ -215,7 +220,8 @@ class SnapshotManager(LoggingConfigurable):
                 if op else None,
                 "last_operation": self.lifecycle.last(kernel_id),
                 "head": {"thread": head.thread, "commit": head.commit},
-                "remote": self.remote_tier.status(head.commit)}
+                "remote": self.remote_tier.status(head.commit),
+                "gpu": await gpu_status.gpu_view(self, kernel_id)}
 
     def kernel_message_key(self, kernel_id: str) -> bytes | None:
         """The message key of a running Infinijup kernel of this server (None otherwise): what

@@ -30,6 +30,7 @@ import { SnapshotButtonExtension } from './button';
 import { CommandIDs } from './commandids';
 import { asRequestError } from './errors';
 import { shortId } from './format';
+import { GpuIndicator } from './gpuStatus';
 import { branchIcon, historyIcon, restoreIcon, snapshotIcon } from './icons';
 import { ManagedKernels } from './kernels';
 import { HistoryModel } from './model';
@@ -239,6 +240,16 @@ const plugin: JupyterFrontEndPlugin<void> = {
           className: 'jp-Infinijup-rest-statusbar'
         })
       : null;
+    if (statusBar) {
+      const gpuItem = new GpuIndicator(serviceManager.serverSettings);
+      statusBar.registerStatusItem('infinijup:gpu', {
+        item: gpuItem,
+        align: 'left',
+        rank: 3,
+        isActive: () => gpuItem.isActive,
+        activeStateChanged: gpuItem.activeChanged
+      });
+    }
     if (statusBar && restStatusItem) {
       statusBar.registerStatusItem('infinijup:rest-state', {
         item: restStatusItem,

@@ -180,3 +180,42 @@ def test_the_idle_policy_leaves_a_kernel_whose_memory_host_memory_cannot_hold(tm
     assert "'big.ipynb' needs 90.0 GB of host memory, 60.0 GB free" in refused.value.message
     assert server.released == [] and "big" not in hib.rests  # running as it was
     assert server.lifecycle.state("big") == RUNNING
+
+
+def test_a_kernel_host_memory_cannot_keep_but_can_pass_through_is_hibernated():
+    # 30 GB fits while nothing else is released; after "a" (30 GB) is released it would not:
+    # "b" is hibernated (first, while host memory has the room), "a" released
+    idle = [Candidate("a", "a.ipynb", {G0: 30 * GB}), Candidate("b", "b.ipynb", {G0: 30 * GB})]
+    plan = plan_room({G0: 55 * GB}, {G0: 0}, idle, available=50 * GB, margin=2 * GB,
+                     can_hibernate=True)
+    assert (plan.release, plan.hibernate, plan.refusal) == (["a"], ["b"], None)
+    # too large even to pass through: passed over, refused with the reason, nothing moves
+    idle = [Candidate("train", "train.ipynb", {G0: 100 * GB})]
+    plan = plan_room({G0: 24 * GB}, {G0: 3 * GB}, idle, available=14 * GB, margin=2 * GB,
+                     can_hibernate=True)
+    assert (plan.release, plan.hibernate) == ([], [])
+    assert "releasing or hibernating the idle kernel 'train.ipynb' needs 100.0 GB of host " \
+           "memory, 14.0 GB free" in plan.refusal
+
+
+def test_make_room_hibernates_before_it_releases(tmp_path, monkeypatch):
+    server = FakeGpuServer({G0: 0}, {"a": {G0: 30 * GB}, "b": {G0: 30 * GB}}, host=50 * GB)
+    server.make_room_hibernate = True
+    hib = hibernation_of(server, tmp_path)
+    order: list[str] = []
+
+    async def hibernate(kernel_id, *, reason="asked"):  # the store's side is the device's test
+        order.append(f"hibernate {kernel_id} ({reason})")
+        for g, n in server.held.pop(kernel_id).items():
+            server.free[g] += n
+
+    monkeypatch.setattr(hib, "hibernate", hibernate)
+    real_release = server.release_gpu
+
+    async def release_gpu(kernel_id):
+        order.append(f"release {kernel_id}")
+        return await real_release(kernel_id)
+
+    server.release_gpu = release_gpu
+    asyncio.run(hib._make_room("k1", {G0: 55 * GB}))
+    assert order == ["hibernate b (room for k1.ipynb)", "release a"]

@@ -78,12 +78,20 @@ async def test_a_release_moves_pytorchs_memory_through_the_arena(notebook, jp_se
     nb = notebook
     await nb.execute(FILL.format(seed=3, n=4 * 2**30), timeout=600)
     await _idle_everywhere(jp_serverapp, nb)
+
+    async def gpu_of() -> dict | None:  # /infinijup/status says where the memory is
+        r = await nb.fetch("infinijup", "status", params={"kernel_id": nb.kernel_id})
+        return json.loads(r.body)["gpu"]
+
+    on_gpu = await gpu_of()
+    assert on_gpu["where"] == "gpu" and on_gpu["bytes"] > 4 * 2**30, on_gpu
     r = await nb.post("release", {"kernel_id": nb.kernel_id})
     assert r.code == 200, r.body
     released = json.loads(r.body)
     assert released["state"] == "released"
     assert released["gpu"]["arena"]["bytes"] >= 4 * 2**30, released  # not the driver's copy
     assert _held(jp_serverapp, nb) == 0
+    assert await gpu_of() == {**on_gpu, "where": "host"}
     t0 = time.perf_counter()
     assert await nb.value(CHECK) is True
     print(f"\nrelease of 4 GiB through the arena: {released['gpu']['arena']['seconds']:.2f} s "

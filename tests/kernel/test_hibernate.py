@@ -248,3 +248,20 @@ async def test_a_wake_racing_a_second_hibernation_one_wins_cleanly(notebook, jp_
     assert got[cell]["reply"]["status"] == "ok" and got[cell]["stdout"] == "1\n", got[cell]
     assert await state_of(nb) == "running"
     assert await nb.value("n") == 1
+
+
+async def test_the_server_status_lists_every_kernel_and_where_its_gpu_memory_is(notebook):
+    nb = notebook
+    await nb.execute("x = 1")
+
+    async def listed() -> dict:
+        r = await nb.fetch("infinijup", "status")
+        return {k["kernel_id"]: k for k in json.loads(r.body)["kernels"]}
+
+    mine = (await listed())[nb.kernel_id]
+    # a CPU kernel: no GPU memory anywhere (the GPU figures are tests/kernel/test_gpu_idle.py's)
+    assert mine == {"kernel_id": nb.kernel_id, "path": "story.ipynb", "state": "running",
+                    "gpu": None}
+    await hibernate(nb)
+    assert (await listed())[nb.kernel_id]["state"] == "hibernated"
+    assert await nb.value("x") == 1
