@@ -84,7 +84,7 @@ class HelperConfig:
     criu_timeout_s: float = 300.0
     cgroup: str = "caller"  # kernels join their caller's cgroup (v2): "caller" or "none"
     gpu_arena: str = "auto"  # a huge-page tmpfs for GPU segments: "auto", "always", "never"
-    gpu_arena_quota: str = "50%"  # each user's arena tmpfs: bytes (k/m/g/t) or % of the RAM
+    gpu_arena_quota: str = "75%"  # each user's arena tmpfs: bytes (k/m/g/t) or % of the RAM
     limits: Limits = field(default_factory=Limits)
 
     @property
