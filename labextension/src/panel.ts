@@ -366,8 +366,17 @@ export class HistoryPanel extends Panel {
     const model = this.model;
     const head = model.head;
     const next = model.nextSnapshot;
+    // A fresh kernel's next snapshot has no parent: a new root, said so
+    // (engine/heads.py) when the notebook has history it does not descend from.
+    const newRoot = !!next && next.isNew && !next.parent && !head?.commit;
     const where = next
-      ? `${next.isNew ? 'next snapshot starts new thread' : 'next snapshot on'} <b>${esc(next.thread)}</b>`
+      ? `${
+          newRoot
+            ? 'next snapshot starts new root'
+            : next.isNew
+              ? 'next snapshot starts new thread'
+              : 'next snapshot on'
+        } <b>${esc(next.thread)}</b>`
       : '';
     let text: string;
     if (head?.commit) {
@@ -378,15 +387,17 @@ export class HistoryPanel extends Panel {
     } else {
       text = 'Fresh kernel';
     }
-    const title = next
-      ? next.isNew
-        ? `The next snapshot starts the new thread ${next.thread}${
-            next.parent ? ` from ${shortId(next.parent)}` : ''
-          }`
-        : `The next snapshot goes on thread ${next.thread}${
-            next.parent ? `, after ${shortId(next.parent)}` : ''
-          }`
-      : '';
+    const title = newRoot
+      ? `This kernel's state comes from no snapshot (it was started or restarted): its next snapshot starts the thread ${next!.thread} with no parent`
+      : next
+        ? next.isNew
+          ? `The next snapshot starts the new thread ${next.thread}${
+              next.parent ? ` from ${shortId(next.parent)}` : ''
+            }`
+          : `The next snapshot goes on thread ${next.thread}${
+              next.parent ? `, after ${shortId(next.parent)}` : ''
+            }`
+        : '';
     return (
       `<span class="jp-Infinijup-headline" title="${esc(title)}">${text}` +
       (where ? ` · ${where}` : '') +
@@ -429,6 +440,14 @@ export class HistoryPanel extends Panel {
       metadata = String(commit.metadata);
     }
     const cell = cellLabel(commit);
+    const elsewhere =
+      typeof commit.notebook === 'string'
+        ? `<div class="jp-Infinijup-elsewhere" role="note">A snapshot of ${
+            commit.notebook
+              ? `<code>${esc(commit.notebook)}</code>`
+              : 'another notebook'
+          }: this kernel came from it</div>`
+        : '';
     const notResumable = commit.resumable === false;
     const reason = commit.resumable_reason || 'not resumable on this server';
 
@@ -507,6 +526,7 @@ export class HistoryPanel extends Panel {
       (commit.message && cell
         ? `<div class="jp-Infinijup-cell" title="The last cell run before this snapshot"><code>${esc(cell)}</code></div>`
         : '') +
+      elsewhere +
       (notResumable
         ? `<div class="jp-Infinijup-warning" role="note">Cannot be resumed here: ${esc(reason)}</div>`
         : '') +

@@ -200,6 +200,7 @@ export function normalizeHistory(data: any): IHistory {
               typeof c.resumable_reason === 'string' ? c.resumable_reason : null
           }
         : {}),
+      ...(typeof c.notebook === 'string' ? { notebook: c.notebook } : {}),
       id: c.id,
       parents: Array.isArray(c.parents)
         ? c.parents.filter((p: any) => typeof p === 'string')

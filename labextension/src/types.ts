@@ -47,6 +47,11 @@ export interface ICommit {
   resumable?: boolean;
   /** Why not, when `resumable` is false. */
   resumable_reason?: string | null;
+  /**
+   * Set on a commit of another notebook (its path): the one this notebook's
+   * kernel was resumed from, and its ancestors.
+   */
+  notebook?: string;
 }
 
 /** `metadata.cell`: the last cell the kernel ran before the snapshot. */

@@ -174,6 +174,32 @@ describe('HistoryPanel', () => {
     expect(panel.node.dataset.kernel).toBe('managed');
   });
 
+  it('says a fresh kernel starts a new root (issue 28, item 4)', async () => {
+    const h = history();
+    const { panel } = setup(fakeKernel('k1'), {
+      ...h,
+      head: { thread: 'main', commit: null, next_thread: 'main-1' }
+    });
+    await flush();
+    expect(text(panel, '.jp-Infinijup-headline')).toBe(
+      'Fresh kernel · next snapshot starts new root main-1'
+    );
+  });
+
+  it('marks a commit of another notebook, the one its kernel came from', async () => {
+    const h = history();
+    const { panel, model } = setup(fakeKernel('k1'), {
+      ...h,
+      commits: h.commits.map(c => ({ ...c, notebook: 'other/origin.ipynb' }))
+    });
+    await flush();
+    model.select(h.commits[0].id);
+    await flush();
+    expect(text(panel, '.jp-Infinijup-elsewhere')).toBe(
+      'A snapshot of other/origin.ipynb: this kernel came from it'
+    );
+  });
+
   it('on a kernel it does not manage shows only how to switch kernels', async () => {
     const { api, panel, executed } = setup(fakeKernel('py-1', 'python3'), {
       commits: [],
