@@ -13,6 +13,8 @@ HELPER_LOG ?= /var/log/infinijup-helper.log
 HELPER_PREFIX ?= /opt/infinijup/helper
 LAB_PORT ?= 8888
 LAB_IP ?= 127.0.0.1
+# where `make lab` keeps notebooks (not the checkout: new notebooks would land in the repo)
+LAB_DIR ?= $(HOME)/notebooks
 STAMPS := .stamps
 # lines of a failed test-python printed again after the browser suites' output
 PYTHON_TAIL := 250
@@ -25,8 +27,9 @@ export INFINIJUP_PYCRIU := $(CRIU_PREFIX)/python
 .PHONY: lab test setup system-deps criu venv frontend helper helper-stop test-python test-frontend test-ui test-reliability bench-ui soak lint clean
 
 lab: setup helper
-	@echo "Starting JupyterLab with Infinijup on http://$(LAB_IP):$(LAB_PORT)/lab"
-	$(VENV)/bin/jupyter lab --ip=$(LAB_IP) --port=$(LAB_PORT) --no-browser $(if $(filter 0,$(shell id -u)),--allow-root,)
+	@mkdir -p "$(LAB_DIR)"
+	@echo "Starting JupyterLab with Infinijup on http://$(LAB_IP):$(LAB_PORT)/lab, notebooks in $(LAB_DIR)"
+	$(VENV)/bin/jupyter lab --ip=$(LAB_IP) --port=$(LAB_PORT) --no-browser --ServerApp.root_dir="$(LAB_DIR)" $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 # Lint first; then the Python suite and the browser suites (jest, then Galata) run side by side.
 # They share nothing but the machine: the Python tests start their own helpers, servers and stores;

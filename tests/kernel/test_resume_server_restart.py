@@ -74,7 +74,7 @@ def test_resume_after_server_stop_and_kill(helper_daemon):
         helper = HelperClient(helper_daemon.socket_path)
         if not helper.hello().features.get("pid_namespace"):
             # Without PID namespaces (CUDA machines) the orphan holds the very pids the
-            # snapshot needs: it has to be ended first (README, "Resume anywhere").
+            # snapshot needs: it has to be ended first (docs/guide.md, "Resume anywhere").
             for pid in orphans:
                 helper.kill(pid)
 

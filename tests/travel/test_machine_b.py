@@ -241,7 +241,7 @@ def test_resume_on_machine_b(machines, s3: S3Server, remote: str, tmp_path: Path
     assert "kept 1 from an interrupted pull" in pulled.stdout, pulled.stdout
     if not pid_namespaces(helper_b):
         # A CUDA machine's helper: kernels share the host's pids, and the later snapshot is of
-        # the same kernel as the resumed one, whose pids it needs (README, "Resume anywhere").
+        # the same kernel as the resumed one, whose pids it needs (docs/guide.md, "Resume anywhere").
         code, body = server_b.request("DELETE", f"/api/kernels/{resumed}")
         assert code == 204, body
     code, body = server_b.request("POST", "/infinijup/restore",
