@@ -9,6 +9,7 @@ A magic that fails raises :class:`MagicError`: the cell fails (``execute_reply``
 from __future__ import annotations
 
 import shlex
+import threading
 import uuid
 
 from IPython.core.magic import Magics, line_magic, magics_class
@@ -22,6 +23,35 @@ from .server_client import ServerError, kernel_id, request, wait_result
 SNAPSHOT_TIMEOUT_S = 3600.0
 
 __all__ = ["InfinijupMagics", "MagicError"]
+
+
+def _say_id_when_stored(request_id: str) -> None:
+    """A line under ``%snapshot``'s output that says "being stored" and, once the store has
+    the commit, its id (the display is updated in place from a thread of the kernel's, after
+    the cell has returned)."""
+    from IPython.display import Pretty, display
+
+    handle = display(Pretty("Storing it... (%snapshots lists it once it is safe in the store)"),
+                     display_id=True)
+    if handle is None:  # no display (a plain IPython): the message above is all
+        return
+
+    def wait() -> None:
+        try:
+            result = wait_result(request_id, SNAPSHOT_TIMEOUT_S)
+        except ServerError as err:
+            handle.update(Pretty(f"Not stored: {err}"))
+            return
+        if "error" in result:
+            err = result["error"]
+            handle.update(Pretty(f"Not stored: {err.get('message', 'unknown error')} "
+                                 f"({err.get('reason', 'error')})"))
+            return
+        stored = (result.get("stats") or {}).get("stored_bytes")
+        handle.update(Pretty(f"Stored as {result.get('commit', '')[:12]} "
+                             f"({_size(stored)} new in the store)"))
+
+    threading.Thread(target=wait, name="infinijup-snapshot-id", daemon=True).start()
 
 
 class MagicError(InfinijupError):
@@ -86,8 +116,8 @@ class InfinijupMagics(Magics):
         if "commit" not in result:  # dumped; the server stores it now (events say when done)
             print(f"Snapshot taken on thread '{result.get('thread')}' "
                   f"({_size(stats.get('image_bytes'))} image, paused "
-                  f"{stats.get('pause_s', 0):.2f} s); being stored: %snapshots lists it once "
-                  "it is safe in the store")
+                  f"{stats.get('pause_s', 0):.2f} s)")
+            _say_id_when_stored(request_id)
             return
         describe.committed()
         print(

@@ -319,3 +319,35 @@ async def test_a_failed_snapshot_leaves_the_parent_to_compare_with(notebook, jp_
     await nb.snapshot()
     v = _variables(await _latest(nb))
     assert {n for n, it in v.items() if it["changed"]} == {"moved"}  # still against the parent
+
+
+@needs_helper
+async def test_percent_snapshot_says_its_id_once_stored(notebook):
+    """Issue 28, item 9: without -w, %snapshot returns once the kernel is dumped (the id is
+    not known yet); a line under it says "Storing it..." and is updated in place with the id
+    when the store has the commit."""
+    import asyncio
+    import time
+
+    nb = notebook
+    msg_id = nb.send_execute("%snapshot -m quick")
+    display_id, stdout, text, idle = None, "", None, False
+    deadline = time.monotonic() + 120
+    while not (idle and text and text.startswith("Stored as ")):
+        raw = await asyncio.wait_for(nb.ws.read_message(), deadline - time.monotonic())
+        msg = json.loads(raw)
+        kind, content = msg["msg_type"], msg["content"]
+        mine = msg.get("parent_header", {}).get("msg_id") == msg_id
+        if kind == "stream" and mine:
+            stdout += content["text"]
+        elif kind == "display_data" and mine:
+            display_id = content["transient"]["display_id"]
+            text = content["data"]["text/plain"]
+        elif kind == "update_display_data" and display_id and \
+                content["transient"]["display_id"] == display_id:
+            text = content["data"]["text/plain"]  # from the kernel's thread, any parent
+        elif kind == "status" and mine and content["execution_state"] == "idle":
+            idle = True
+    assert stdout.startswith("Snapshot taken on thread 'main'"), stdout
+    commit = (await nb.history())["commits"][0]["id"]
+    assert text.startswith(f"Stored as {commit[:12]} ("), text
