@@ -447,8 +447,8 @@ class _IngestProgress:
             self.next = self.done + self.step
             frac = min(1.0, self.done / self.total)
             self.on_progress("store", {"percent": 60 + 35 * frac, "message":
-                                       f"stored {self.done / 1e9:.2f} of "
-                                       f"{self.total / 1e9:.2f} GB"})
+                                       f"stored {self.done / 2**30:.2f} of "
+                                       f"{self.total / 2**30:.2f} GiB"})
 
 
 class _CountingWriter:

@@ -11,6 +11,7 @@
  */
 
 import { asRequestError } from './errors';
+import { formatBytes } from './format';
 import { failureText, INotifier } from './progress';
 import { RestStates } from './restState';
 import type {
@@ -123,37 +124,17 @@ export type Confirm = (
   accept: string
 ) => Promise<boolean>;
 
-/** Decimal units, as the server prints them: "2.7 GB", "45 MB", "1.6 MB", "5 kB". */
-export function formatDecimalBytes(bytes: number | null | undefined): string {
-  if (bytes === null || bytes === undefined || !Number.isFinite(bytes)) {
-    return '–';
-  }
-  const n = Math.max(0, bytes);
-  if (n >= 1e8) {
-    return `${(n / 1e9).toFixed(1)} GB`;
-  }
-  if (n >= 1e7) {
-    return `${Math.round(n / 1e6)} MB`;
-  }
-  if (n >= 1e6) {
-    return `${(n / 1e6).toFixed(1)} MB`;
-  }
-  if (n >= 1e3) {
-    return `${Math.round(n / 1e3)} kB`;
-  }
-  return `${Math.round(n)} B`;
-}
-
-/** "Store 45 MB · hot copies 2.7 GB" (without the hot part when unknown). */
+/** "Store 42.9 MiB · hot copies 2.51 GiB" (without the hot part when unknown); the
+ * UI says sizes in binary units throughout (format.ts formatBytes). */
 export function spaceLine(stats: ISpaceStats | null): string {
   if (!stats || typeof stats.store_bytes !== 'number') {
     return '';
   }
   const hot =
     typeof stats.hot_bytes === 'number'
-      ? ` · hot copies ${formatDecimalBytes(stats.hot_bytes)}`
+      ? ` · hot copies ${formatBytes(stats.hot_bytes)}`
       : '';
-  return `Store ${formatDecimalBytes(stats.store_bytes)}${hot}`;
+  return `Store ${formatBytes(stats.store_bytes)}${hot}`;
 }
 
 /** The history the questions are asked about. */
@@ -335,10 +316,10 @@ export class SpaceActions {
     try {
       const result = await this._api.deleteFromHistory(body);
       const hot = result.hot_dropped
-        ? ` and ${formatDecimalBytes(result.hot_freed_bytes)} of hot copies`
+        ? ` and ${formatBytes(result.hot_freed_bytes)} of hot copies`
         : '';
       this._notifier.emit(
-        `${label}: ${formatDecimalBytes(result.freed_bytes)} freed${hot}.`,
+        `${label}: ${formatBytes(result.freed_bytes)} freed${hot}.`,
         'success',
         { autoClose: 5000 }
       );

@@ -215,7 +215,7 @@ export interface ISpaceStats {
   hot_bytes: number | null;
   hot_entries: number | null;
   hot_budget: number;
-  /** "Store 45 MB · hot copies 2.7 GB" */
+  /** "Store 42.9 MiB · hot copies 2.51 GiB" */
   text: string;
 }
 

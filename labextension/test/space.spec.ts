@@ -44,11 +44,11 @@ import {
   DELETE_THREAD_COMMAND,
   HistoryPanel
 } from '../src/panel';
+import { formatBytes } from '../src/format';
 import { ProgressTracker } from '../src/progress';
 import {
   deleteSnapshotQuestion,
   deleteThreadQuestion,
-  formatDecimalBytes,
   onlyOnThread,
   snapshotDeletion,
   SpaceActions,
@@ -97,7 +97,7 @@ const STATS: ISpaceStats = {
   hot_bytes: 2_700_000_000,
   hot_entries: 3,
   hot_budget: 8e9,
-  text: 'Store 45 MB · hot copies 2.7 GB'
+  text: 'Store 42.9 MiB · hot copies 2.51 GiB'
 };
 
 class FakeSpaceAPI implements ISpaceAPI {
@@ -130,18 +130,15 @@ class FakeSpaceAPI implements ISpaceAPI {
 }
 
 describe('sizes', () => {
-  it('are decimal, as the server prints them', () => {
-    expect(formatDecimalBytes(45_000_000)).toBe('45 MB');
-    expect(formatDecimalBytes(2_700_000_000)).toBe('2.7 GB');
-    expect(formatDecimalBytes(1_640_000)).toBe('1.6 MB');
-    expect(formatDecimalBytes(5_300)).toBe('5 kB');
-    expect(formatDecimalBytes(12)).toBe('12 B');
-    expect(formatDecimalBytes(null)).toBe('–');
+  it('are in binary units, as everywhere in the UI', () => {
+    expect(formatBytes(45_000_000)).toBe('42.9 MiB');
+    expect(formatBytes(2_700_000_000)).toBe('2.51 GiB');
+    expect(formatBytes(null)).toBe('–');
   });
 
   it('make the header line, without the hot tier when unknown', () => {
-    expect(spaceLine(STATS)).toBe('Store 45 MB · hot copies 2.7 GB');
-    expect(spaceLine({ ...STATS, hot_bytes: null })).toBe('Store 45 MB');
+    expect(spaceLine(STATS)).toBe('Store 42.9 MiB · hot copies 2.51 GiB');
+    expect(spaceLine({ ...STATS, hot_bytes: null })).toBe('Store 42.9 MiB');
     expect(spaceLine(null)).toBe('');
   });
 });
@@ -199,7 +196,7 @@ describe('SpaceActions', () => {
     expect(notifier.notes[0]).toMatchObject({
       type: 'success',
       message:
-        'Delete of snapshot bbbbbbbb: 15 MB freed and 1.2 GB of hot copies.'
+        'Delete of snapshot bbbbbbbb: 14.3 MiB freed and 1.12 GiB of hot copies.'
     });
   });
 
@@ -276,7 +273,7 @@ describe('HistoryPanel deletes', () => {
     await flush();
     expect(spaceApi.spaceStats).toHaveBeenCalled();
     expect(panel.node.querySelector('.jp-Infinijup-space')?.textContent).toBe(
-      'Store 45 MB · hot copies 2.7 GB'
+      'Store 42.9 MiB · hot copies 2.51 GiB'
     );
   });
 

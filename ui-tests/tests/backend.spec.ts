@@ -518,3 +518,177 @@ test.describe('Infinijup end to end @backend', () => {
     expect(await sessionsAt(`${tmpPath}/${name}`)).toBe(1);
   });
 });
+
+/** Issue 28's stories against the real backend. */
+test.describe('History that says what happened @backend', () => {
+  test('after Kernel › Restart the next snapshot is a new root, and the panel says so', async ({
+    page,
+    tmpPath
+  }, testInfo) => {
+    test.setTimeout(4 * OP_TIMEOUT);
+    await infinijupNotebook(page, tmpPath, 'restart');
+    expect(await run(page, 'x = 1\nx')).toBe('1');
+    const a = await snapshot(page);
+    await openHistory(page);
+    const headline = page.locator('#infinijup-history .jp-Infinijup-headline');
+    await expect(headline).toHaveText(`HEAD ${a} · next snapshot on main`);
+    await page.evaluate(() =>
+      (
+        window as any
+      ).jupyterapp.shell.currentWidget.sessionContext.restartKernel()
+    );
+    await waitForKernelIdle(page);
+    // The header follows the restart: no old HEAD, a new root next.
+    await expect(headline).toHaveText(
+      'Fresh kernel · next snapshot starts new root main-1',
+      { timeout: OP_TIMEOUT }
+    );
+    await screenshot(
+      page.locator('#infinijup-history'),
+      testInfo,
+      'restart-new-root'
+    );
+    expect(await run(page, "'x' in dir()")).toBe('False');
+    const b = await snapshot(page, 'main-1');
+    await row(page, b).click();
+    const card = page.locator('#infinijup-history .jp-Infinijup-details');
+    await expect(card.locator('tr', { hasText: 'Parents' })).toContainText(
+      'none (first snapshot)'
+    );
+    // Nothing was "deleted": the new root descends from nothing.
+    await expect(card.locator('.jp-Infinijup-removed')).toHaveCount(0);
+  });
+
+  test('Compare shows the values that differ', async ({
+    page,
+    tmpPath
+  }, testInfo) => {
+    test.setTimeout(4 * OP_TIMEOUT);
+    await infinijupNotebook(page, tmpPath, 'compare');
+    expect(await run(page, "counter = 111\nname = 'before'\ncounter")).toBe(
+      '111'
+    );
+    const a = await snapshot(page);
+    expect(await run(page, "counter = 11\nname = 'after'\ncounter")).toBe('11');
+    const b = await snapshot(page);
+    await openHistory(page);
+    await row(page, b).click();
+    const card = page.locator('#infinijup-history .jp-Infinijup-details');
+    await card.getByRole('button', { name: 'Compare…' }).click();
+    await row(page, a).click();
+    const diffs = card.locator('.jp-Infinijup-diffs li');
+    await expect(diffs.filter({ hasText: 'counter' })).toHaveText(
+      /counter differs: 11 \(int.*\) → 111 \(int.*\)/
+    );
+    await expect(diffs.filter({ hasText: 'name' })).toHaveText(
+      /name differs: 'after' \(str.*\) → 'before' \(str.*\)/
+    );
+    await screenshot(
+      page.locator('#infinijup-history'),
+      testInfo,
+      'compare-values'
+    );
+  });
+
+  test('Delete thread removes it and what only it had; the header shows the sizes', async ({
+    page,
+    tmpPath
+  }, testInfo) => {
+    test.setTimeout(4 * OP_TIMEOUT);
+    await infinijupNotebook(page, tmpPath, 'delete');
+    expect(await run(page, 'x = 1\nx')).toBe('1');
+    const a = await snapshot(page);
+    await run(page, '%branch idea');
+    expect(await run(page, 'x = 2\nx')).toBe('2');
+    const b = await snapshot(page, 'idea');
+    await openHistory(page);
+    const rows = page.locator('#infinijup-history .jp-Infinijup-row');
+    await expect(rows).toHaveCount(2);
+    await row(page, b).click();
+    const card = page.locator('#infinijup-history .jp-Infinijup-details');
+    // The kernel stands on b (its HEAD cannot go): back to a first.
+    await restoreFromPanel(page, a);
+    await row(page, b).click();
+    await card.getByRole('button', { name: 'Delete thread idea' }).click();
+    const dialog = page.locator('.jp-Dialog');
+    await expect(dialog).toContainText(
+      'Delete thread idea? 1 snapshot only this thread has goes with it'
+    );
+    await screenshot(page, testInfo, 'delete-thread', { docs: true });
+    await dialog.getByRole('button', { name: 'Delete' }).click();
+    await expect(
+      toasts(page).filter({ hasText: 'Delete of thread idea:' })
+    ).toBeVisible({
+      timeout: OP_TIMEOUT
+    });
+    await expect(rows).toHaveCount(1);
+    await expect(row(page, a)).toHaveCount(1);
+    await expect(
+      page.locator('#infinijup-history .jp-Infinijup-space')
+    ).toContainText('Store');
+  });
+
+  test('a hibernated kernel stays asleep while the user switches tabs', async ({
+    page,
+    tmpPath
+  }) => {
+    test.setTimeout(4 * OP_TIMEOUT);
+    const first = await infinijupNotebook(page, tmpPath, 'sleepy');
+    expect(await run(page, 'x = 1\nx')).toBe('1');
+    const second = await infinijupNotebook(page, tmpPath, 'awake');
+    await page.notebook.activate(first.name);
+    const reply = page.waitForResponse(
+      r =>
+        /\/infinijup\/hibernate(\?|$)/.test(r.url()) &&
+        r.request().method() === 'POST',
+      { timeout: OP_TIMEOUT }
+    );
+    await execute(page, 'infinijup:hibernate');
+    expect((await reply).status()).toBe(200);
+    const state = async () =>
+      (
+        await (
+          await page.request.get(
+            `/infinijup/status?kernel_id=${first.kernelId}`
+          )
+        ).json()
+      ).lifecycle;
+    expect(await state()).toBe('hibernated');
+    for (let i = 0; i < 3; i++) {
+      await page.notebook.activate(second.name);
+      await waitForKernelIdle(page);
+      await page.notebook.activate(first.name);
+      await expect(
+        page.locator(
+          '.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Infinijup-rest-toolbar'
+        )
+      ).toHaveText('Hibernated');
+    }
+    // Nothing woke it: no restore ran (the last operation is still the hibernation).
+    const status = await (
+      await page.request.get(`/infinijup/status?kernel_id=${first.kernelId}`)
+    ).json();
+    expect(status.lifecycle).toBe('hibernated');
+    expect(status.last_operation?.op).not.toBe('restore');
+    // A cell does wake it.
+    expect(await run(page, 'x + 1')).toBe('2');
+  });
+});
+
+/** Restore a commit from its row's card (confirming). */
+async function restoreFromPanel(page: IJupyterLabPageFixture, shortId: string) {
+  await row(page, shortId).click();
+  await page
+    .locator('.jp-Infinijup-details')
+    .getByRole('button', { name: 'Restore' })
+    .click();
+  await page
+    .locator('.jp-Dialog')
+    .getByRole('button', { name: 'Restore' })
+    .click();
+  await expect(
+    toasts(page).filter({ hasText: `Restored ${shortId}` })
+  ).toBeVisible({
+    timeout: OP_TIMEOUT
+  });
+}
