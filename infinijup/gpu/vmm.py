@@ -56,6 +56,26 @@ def install(device: int = 0) -> None:
     _state.update(pool=pool, context=context, allocator=allocator)
 
 
+ON_SHORT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_size_t, ctypes.c_int)
+
+
+def set_on_short(fn) -> None:  # noqa: ANN001 - fn(bytes, device) -> bool
+    """Call ``fn(bytes, device)`` when a segment finds no room on the GPU; if it answers true
+    the allocator tries once more (then PyTorch's own out-of-memory handling goes on)."""
+
+    def call(nbytes: int, device: int) -> int:
+        try:
+            return 1 if fn(int(nbytes), int(device)) else 0
+        except Exception:  # nothing may escape into the allocator
+            return 0
+
+    callback = ON_SHORT(call)
+    _state["on_short"] = callback  # kept alive as long as the allocator may call it
+    lib = _lib()
+    lib.ij_set_on_short.argtypes = [ON_SHORT]
+    lib.ij_set_on_short(callback)
+
+
 def sleep() -> int:
     """Bytes moved to host memory; the GPU memory under them is free."""
     moved = _lib().ij_sleep()

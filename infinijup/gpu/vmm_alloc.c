@@ -169,6 +169,12 @@ fail:
     return 0;
 }
 
+/* Called when the GPU has no room for a segment (issue 27): the kernel asks the server to make
+ * room (release idle kernels); nonzero means "try once more". Set from Python (vmm.py). */
+static int (*on_short)(size_t bytes, int device) = NULL;
+
+void ij_set_on_short(int (*fn)(size_t, int)) { on_short = fn; }
+
 void *ij_malloc(ssize_t size, int device, void *stream) {
     (void)stream;
     if (!load() || !ensure_context(device)) return NULL;
@@ -180,7 +186,7 @@ void *ij_malloc(ssize_t size, int device, void *stream) {
     s->size = ((size_t)size + gran - 1) / gran * gran;
     s->device = device;
     CHECK(cu.address_reserve(&s->ptr, s->size, gran, 0, 0));
-    if (!map_physical(s)) {
+    if (!map_physical(s) && !(on_short && on_short(s->size, device) && map_physical(s))) {
         cu.address_free(s->ptr, s->size);
         goto fail;
     }

@@ -79,8 +79,30 @@ def _install() -> None:
 
         vmm.install(torch.cuda.current_device())
         _state["installed"] = True
+        vmm.set_on_short(_ask_for_room)
     except Exception as exc:
         _state["why_not"] = f"the VMM allocator could not be installed: {exc}"
+
+
+def _ask_for_room(nbytes: int, device: int) -> bool:
+    """The allocator found no room for ``nbytes`` on ``device``: ask the server to make room
+    by releasing idle kernels (issue 27; never a busy one). True once it says there is room;
+    else the reason goes to the cell's stderr and PyTorch raises its out-of-memory error."""
+    from .server_client import ServerError, kernel_id, request
+
+    try:
+        try:
+            import torch
+
+            gpu = str(torch.cuda.get_device_properties(device).uuid)
+        except Exception:  # an older PyTorch: the server knows the GPU if there is one
+            gpu = str(device)
+        request("POST", "/infinijup/make-room",
+                {"kernel_id": kernel_id(), "bytes": int(nbytes), "gpu": gpu}, timeout=900)
+        return True
+    except ServerError as err:
+        print(f"Infinijup could not make room on the GPU: {err}", file=sys.stderr)
+        return False
 
 
 def offload() -> dict | None:

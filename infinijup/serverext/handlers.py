@@ -232,6 +232,26 @@ class ReleaseHandler(KernelActionHandler):
     action = "release"
 
 
+class MakeRoomHandler(InfinijupHandler):
+    """POST {"kernel_id", "bytes", "gpu"}: a running kernel's allocation found no room
+    (manager.make_room); the kernel itself asks, signed with its key."""
+
+    @tornado.web.authenticated
+    @allowed
+    async def post(self) -> None:
+        try:
+            body = self.body()
+            kernel_id = _str(body, "kernel_id", required=True)
+            gpu = _str(body, "gpu", required=True)
+            nbytes = body.get("bytes")
+            if type(nbytes) is not int or nbytes <= 0:
+                raise BadRequest("'bytes' must be a positive integer")
+            self.own_kernel(kernel_id)
+        except InfinijupError as exc:
+            return await self.call(_raise(exc))
+        await self.call(self.manager.make_room(kernel_id, nbytes, gpu))
+
+
 class CancelHandler(KernelActionHandler):
     """POST {"kernel_id"}: give up what waits for the busy kernel (manager.cancel)."""
 
@@ -304,6 +324,7 @@ def setup_handlers(web_app) -> None:
         ("release", ReleaseHandler),
         ("wake", WakeHandler),
         ("cancel", CancelHandler),
+        ("make-room", MakeRoomHandler),
         ("history", HistoryHandler),
         ("status", StatusHandler),
         ("delete", DeleteHandler),

@@ -261,8 +261,12 @@ class Hibernation:
         host memory can hold it on its way to the store (``make_room_hibernate``), else passed
         over (room_plan.py). If the room cannot be made so, nothing moves and the wake is
         refused with the reason."""
-        if not need or not self.manager.make_room_on_wake:
-            return
+        if need and self.manager.make_room_on_wake:
+            await self.make_room(kernel_id, need)
+
+    async def make_room(self, kernel_id: str, need: dict[str, int]) -> None:
+        """Room for ``need`` (bytes by GPU) for ``kernel_id``, as above (a wake's, or a running
+        kernel's allocation that found none: ``/infinijup/make-room``)."""
         free = await self.manager.gpu_free()
         if all(n <= free.get(g, 0) for g, n in need.items()):
             return

@@ -74,6 +74,11 @@ class SnapshotManager(LoggingConfigurable):
                                         "kernels holding memory there first (never a busy "
                                         "one). Off: the wake fails with the reason."
                              ).tag(config=True)
+    make_room_for_running = Bool(True, help="A running kernel whose GPU allocation finds no "
+                                            "room (Infinijup's VMM allocator sees it first) may "
+                                            "have idle kernels give way as for a wake; never a "
+                                            "busy one. Off: it gets CUDA's out-of-memory error."
+                                 ).tag(config=True)
     make_room_hibernate = Bool(True, help="When making room, an idle kernel whose GPU memory "
                                           "host memory cannot keep (but can pass through) is "
                                           "hibernated to the store instead of released; its "
@@ -200,6 +205,25 @@ class SnapshotManager(LoggingConfigurable):
     async def release(self, kernel_id: str) -> dict:
         self.provisioner(self.kernel(kernel_id))
         return await self.hibernation.release(kernel_id)
+
+    async def make_room(self, kernel_id: str, nbytes: int, gpu: str) -> dict:
+        """A running kernel's allocation of ``nbytes`` found no room on ``gpu`` (its UUID, with
+        or without NVML's "GPU-"): idle kernels there give way (hibernation.make_room), or
+        409 with the reason."""
+        self.provisioner(self.kernel(kernel_id))
+        if not self.make_room_for_running:
+            raise Conflict("making room for a running kernel is off "
+                           "(SnapshotManager.make_room_for_running)", reason="make_room_off")
+        try:
+            free = await self.gpu_free()
+        except Exception as exc:  # no NVML, no GPU
+            raise Conflict(f"cannot read the GPUs' memory here: {exc}", reason="no_gpu") from None
+        match = [g for g in free if g in (gpu, f"GPU-{gpu}")] or (list(free) if len(free) == 1
+                                                                  else [])
+        if not match:
+            raise BadRequest(f"no GPU {gpu!r} here", reason="unknown_gpu")
+        await self.hibernation.make_room(kernel_id, {match[0]: int(nbytes)})
+        return {"kernel_id": kernel_id, "gpu": match[0], "bytes": int(nbytes)}
 
     async def wake(self, kernel_id: str) -> dict:
         self.kernel(kernel_id)

@@ -219,3 +219,17 @@ def test_make_room_hibernates_before_it_releases(tmp_path, monkeypatch):
     server.release_gpu = release_gpu
     asyncio.run(hib._make_room("k1", {G0: 55 * GB}))
     assert order == ["hibernate b (room for k1.ipynb)", "release a"]
+
+
+def test_a_running_kernels_allocation_gets_room_from_idle_kernels(tmp_path):
+    # the runner (busy: not among the idle) needs 30 GB on a full GPU: the idle kernel gives way
+    server = FakeGpuServer({G0: 5 * GB}, {"idle": {G0: 40 * GB}}, host=100 * GB)
+    hib = hibernation_of(server, tmp_path)
+    asyncio.run(hib.make_room("runner", {G0: 30 * GB}))
+    assert server.released == ["idle"]
+    assert server.lifecycle.state("idle") == RELEASED
+    # with no idle kernel left to give way, the runner is refused with the reason
+    with pytest.raises(Conflict) as refused:
+        asyncio.run(hib.make_room("runner", {G0: 60 * GB}))
+    assert refused.value.reason == "no_room"
+    assert "needs 60.0 GB on GPU GPU-00000000" in refused.value.message

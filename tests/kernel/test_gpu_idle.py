@@ -211,3 +211,35 @@ async def test_a_wake_host_memory_cannot_make_room_for(jp_fetch, jp_ws_fetch, jp
     finally:
         for nb in nbs.values():
             await nb.close()
+
+
+async def test_a_running_kernels_allocation_gets_room_from_an_idle_kernel(
+        jp_fetch, jp_ws_fetch, jp_serverapp, infinijup_kernelspec):
+    """Issue 27: a notebook that loads a tensor while another idles on the GPU gets the memory
+    (the VMM allocator asks the server, which releases the idle kernel) instead of CUDA's
+    out-of-memory error; then the idle one's next cell brings it back (the other giving way in
+    turn). Every byte intact."""
+    from infinijup.gpu.room import free_by_gpu
+
+    manager = jp_serverapp.web_app.settings["infinijup_manager"]
+    total = max(free_by_gpu().values())
+    n = int(0.55 * total)
+    nbs = {}
+    try:
+        for name in ("idle", "runner"):
+            nbs[name] = await Notebook(jp_fetch, jp_ws_fetch, f"{name}.ipynb").start(
+                infinijup_kernelspec)
+        await nbs["idle"].execute(FILL.format(seed=1, n=n), timeout=600)
+        await _idle_everywhere(jp_serverapp, nbs["idle"])
+        manager.make_room_for_running = True
+        out = await nbs["runner"].execute(FILL.format(seed=2, n=n), timeout=600)
+        assert "out of memory" not in out["stderr"].lower(), out
+        assert await _state(nbs["idle"]) == "released"
+        assert await nbs["runner"].value(CHECK) is True
+        await _idle_everywhere(jp_serverapp, nbs["runner"])
+        assert await nbs["idle"].value(CHECK) is True  # woken: the runner gave way
+        assert await _state(nbs["runner"]) == "released"
+        assert await nbs["runner"].value(CHECK) is True
+    finally:
+        for nb in nbs.values():
+            await nb.close()
