@@ -73,6 +73,9 @@ class Hibernation:
         # (websocket.resting_answer): a resting kernel answers them from here, asleep
         self.known: dict[str, dict[str, dict]] = {}
         self._ticker: asyncio.Task | None = None
+        # one decision about GPU room at a time: two wakes (or allocations) racing for the same
+        # room must not both count the same free bytes or the same idle kernel
+        self._room = asyncio.Lock()
 
     # --- what the websocket layer asks ------------------------------------------------------
     def holds(self, kernel_id: str) -> bool:
@@ -229,8 +232,9 @@ class Hibernation:
         t0 = time.perf_counter()
         try:
             if before == RELEASED:
-                await self._make_room(kernel_id, rest.vram)
-                await m.reacquire_gpu(kernel_id)
+                async with self._room:  # the room made is taken before anyone else decides
+                    await self._make_room(kernel_id, rest.vram)
+                    await m.reacquire_gpu(kernel_id)
                 back = await m.bring_back_gpu(kernel_id, rest.token)
                 if any(str(e).startswith("GPU segments") for e in back.get("hook_errors", ())):
                     m.log.warning("infinijup: kernel %s woke, but its GPU segments did not "
@@ -264,9 +268,15 @@ class Hibernation:
         if need and self.manager.make_room_on_wake:
             await self.make_room(kernel_id, need)
 
+    async def make_room_for_allocation(self, kernel_id: str, need: dict[str, int]) -> None:
+        """A running kernel's allocation found no room (``/infinijup/make-room``): as for a
+        wake, one decision at a time (the kernel then allocates the room made itself)."""
+        async with self._room:
+            await self.make_room(kernel_id, need)
+
     async def make_room(self, kernel_id: str, need: dict[str, int]) -> None:
         """Room for ``need`` (bytes by GPU) for ``kernel_id``, as above (a wake's, or a running
-        kernel's allocation that found none: ``/infinijup/make-room``)."""
+        kernel's allocation that found none)."""
         free = await self.manager.gpu_free()
         if all(n <= free.get(g, 0) for g, n in need.items()):
             return
@@ -299,18 +309,21 @@ class Hibernation:
         """A restore gave the kernel a process again and it answers (a wake, or a restore the
         user asked for): it rests no more (the lifecycle's move to running lets the requests
         held for it go on)."""
-        if self.rests.pop(kernel_id, None) is not None:
+        rest = self.rests.pop(kernel_id, None)
+        if rest is not None:
             self._remove_record(kernel_id)
-            self._drop_aside(kernel_id)
+            if rest.head is not None:  # it slept in a snapshot kept aside
+                self._drop_aside(kernel_id)
 
     def _discard(self, kernel_id: str) -> None:
         """A hibernated kernel was shut down (or restarted): by its user, its record goes;
         by a server that is stopping, it stays for the next server."""
-        self.rests.pop(kernel_id, None)
+        rest = self.rests.pop(kernel_id, None)
         self.lifecycle.forget(kernel_id)
         if not self.stopping:
             self._remove_record(kernel_id)
-            self._drop_aside(kernel_id)
+            if rest is not None and rest.head is not None:
+                self._drop_aside(kernel_id)
         self.notify(kernel_id, error="the kernel was shut down while it was hibernated")
 
     async def hibernate_all(self) -> None:

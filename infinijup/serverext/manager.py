@@ -222,7 +222,7 @@ class SnapshotManager(LoggingConfigurable):
                                                                   else [])
         if not match:
             raise BadRequest(f"no GPU {gpu!r} here", reason="unknown_gpu")
-        await self.hibernation.make_room(kernel_id, {match[0]: int(nbytes)})
+        await self.hibernation.make_room_for_allocation(kernel_id, {match[0]: int(nbytes)})
         return {"kernel_id": kernel_id, "gpu": match[0], "bytes": int(nbytes)}
 
     async def wake(self, kernel_id: str) -> dict:

@@ -233,3 +233,38 @@ def test_a_running_kernels_allocation_gets_room_from_idle_kernels(tmp_path):
         asyncio.run(hib.make_room("runner", {G0: 60 * GB}))
     assert refused.value.reason == "no_room"
     assert "needs 60.0 GB on GPU GPU-00000000" in refused.value.message
+
+
+def test_two_wakes_racing_for_the_same_room_decide_one_at_a_time(tmp_path):
+    # K1 and K2 (30 GB each) are released; K3 (40 GB) idles on a GPU with 10 GB free. Both
+    # wake at once: one gets the room K3 leaves; the other finds 20 GB and nobody idle to
+    # give way, and is refused with the reason (it stays released). Without one decision at a
+    # time both counted K3's bytes and the second reacquire failed in the driver.
+    server = FakeGpuServer({G0: 10 * GB}, {"k3": {G0: 40 * GB}}, host=100 * GB)
+    reacquired: list[str] = []
+
+    async def reacquire_gpu(kernel_id):
+        need = hib.rests[kernel_id].vram[G0]
+        await asyncio.sleep(0)  # the driver takes its time: others run meanwhile
+        assert server.free[G0] >= need, f"{kernel_id}: the driver found no room"
+        server.free[G0] -= need
+        reacquired.append(kernel_id)
+        return {}
+
+    server.reacquire_gpu = reacquire_gpu
+    hib = hibernation_of(server, tmp_path)
+
+    async def both() -> list:
+        for k in ("k1", "k2"):
+            hib.rests[k] = Rest(vram={G0: 30 * GB})
+            await released(server, k)
+        return await asyncio.gather(hib.wake_soon("k1"), hib.wake_soon("k2"),
+                                    return_exceptions=True)
+
+    results = asyncio.run(both())
+    assert server.released == ["k3"] and len(reacquired) == 1
+    refused = [r for r in results if isinstance(r, Conflict)]
+    assert len(refused) == 1 and refused[0].reason == "no_room", results
+    loser = "k2" if reacquired == ["k1"] else "k1"
+    assert server.lifecycle.state(loser) == RELEASED  # still resting, resumable
+    assert server.lifecycle.state(reacquired[0]) == RUNNING
