@@ -170,7 +170,8 @@ class SnapshotEngine:
 
     def hot_tier(self) -> HotTier:
         if self._hot is None:
-            self._hot = HotTier(self.work_dir() / "hot", self.hot_tier_bytes)
+            self._hot = HotTier(self.work_dir() / "hot", self.hot_tier_bytes,
+                                store_id=self.repo.config.id)
         return self._hot
 
     def _discard(self, path: Path) -> None:

@@ -57,9 +57,12 @@ def default_budget() -> int:
 class HotTier:
     """Images of recent commits under ``root`` (``<work>/hot``), at most ``budget`` bytes."""
 
-    def __init__(self, root: Path, budget: int) -> None:
+    def __init__(self, root: Path, budget: int, store_id: str | None = None) -> None:
         self.root = Path(root)
         self.budget = max(0, int(budget))
+        # the store whose commits this server keeps here: one user's servers may use other
+        # stores (the tier is per user), and a prune drops only this store's copies
+        self.store_id = store_id
 
     @property
     def enabled(self) -> bool:
@@ -79,7 +82,7 @@ class HotTier:
             return False
         try:
             manifest = {"commit": commit.id, "tree": commit.tree, "used": time.time(),
-                        "files": self._observed(images, files)}
+                        "store": self.store_id, "files": self._observed(images, files)}
         except (OSError, ValueError):
             return False
         size = _allocated(images)

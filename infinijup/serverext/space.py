@@ -113,8 +113,10 @@ def prune_hot(m, keep: dict[str, str] | set[str]) -> list[Entry]:  # noqa: ANN00
     repo = m.repo()
     now = time.time()
 
+    store_id = repo.config.id
+
     def wanted(e: Entry) -> bool:
-        if e.commit in keep:
+        if e.commit in keep or e.store != store_id:  # another store's copy is not ours to judge
             return True
         return repo.index.has_commit(e.commit) and now - e.used < HOT_IDLE_S
 

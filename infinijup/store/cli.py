@@ -299,7 +299,8 @@ def _prune_hot(repo: Repository, args: argparse.Namespace) -> None:
     """Drop the hot copies of snapshots that are no longer in the store."""
     root = _hot_root(args)
     try:
-        dropped = hot_dir.prune(root, lambda e: repo.index.has_commit(e.commit))
+        dropped = hot_dir.prune(root, lambda e: e.store != repo.config.id
+                                or repo.index.has_commit(e.commit))
     except OSError as exc:
         print(f"hot tier {root}: not pruned ({exc.strerror})")
         return

@@ -32,6 +32,7 @@ class Entry:
     commit: str
     bytes: int
     used: float
+    store: str | None = None  # the id of the store it was kept for (None: kept before that)
 
 
 @contextlib.contextmanager
@@ -79,8 +80,10 @@ def entries(root: Path) -> list[Entry]:
         manifest = read_json(root / name)
         if manifest is None or not (root / name[:-5]).is_dir():
             continue
+        store = manifest.get("store")
         out.append(Entry(name[:-5], int(manifest.get("bytes", 0)),
-                         float(manifest.get("used", 0.0))))
+                         float(manifest.get("used", 0.0)),
+                         store if isinstance(store, str) else None))
     return sorted(out, key=lambda e: e.used)
 
 

@@ -468,6 +468,12 @@ export class InfinijupActions {
               ? kernelName
               : KERNELSPEC_NAME
         });
+        // A notebook renamed while it had no session: Lab may have opened
+        // this one under the old name.
+        const session = panel.sessionContext.session;
+        if (session && session.path !== panel.context.path) {
+          await session.setPath(panel.context.path);
+        }
       }
       const path = sessionPath(panel);
       const result = await this._api.resume({

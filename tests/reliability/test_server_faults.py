@@ -118,7 +118,8 @@ def test_server_killed_mid_snapshot(helper_up, server_base, store_path, phase):
             code, hist = second.request("GET", f"/infinijup/history?kernel_id={new_id}")
             assert code == 200 and [c["id"] for c in hist["commits"]] == [base["commit"]]
             code, snap2 = second.request("POST", "/infinijup/snapshot", {"kernel_id": new_id})
-            assert code == 201 and snap2["parents"] == [base["commit"]], snap2
+            # a fresh kernel: a new root next to main (engine/heads.py)
+            assert code == 201 and snap2["parents"] == [] and snap2["thread"] == "main-1", snap2
             # what the dead server left in the helper's work dir is gone now
             assert helper_up.user_entries() == {"images": [], "restore": []}
             code, _ = second.request("DELETE", f"/api/kernels/{new_id}")

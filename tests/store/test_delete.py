@@ -162,11 +162,12 @@ def test_store_bytes_counts_what_is_on_disk(repo, tmp_path):
 
 # --- the hot tier's directory ------------------------------------------------------------
 
-def hot_entry(root: Path, commit_id: str, size: int, used: float) -> None:
+def hot_entry(root: Path, commit_id: str, size: int, used: float,
+              store: str | None = None) -> None:
     (root / commit_id).mkdir(parents=True)
     (root / commit_id / "pages-1.img").write_bytes(os.urandom(size))
     (root / f"{commit_id}.json").write_text(json.dumps({"commit": commit_id, "bytes": size,
-                                                        "used": used}))
+                                                        "used": used, "store": store}))
 
 
 def test_hot_dir_prune_drops_what_it_is_told_and_measures(tmp_path):
@@ -198,9 +199,10 @@ def test_cli_rm_thread_rm_and_stats(tmp_path):
         a = snap(repo, tmp_path, 1)
         b = snap(repo, tmp_path, 2)
         c = snap(repo, tmp_path, 3, thread="side", parents=[a.id])
+        store_id = repo.config.id
     hot = tmp_path / "hot"
-    hot_entry(hot, b.id, 1_500_000, 1.0)
-    hot_entry(hot, a.id, 100_000, 2.0)
+    hot_entry(hot, b.id, 1_500_000, 1.0, store_id)
+    hot_entry(hot, a.id, 100_000, 2.0, store_id)
 
     r = cli(store, "stats", hot=hot)
     assert r.returncode == 0, r.stderr
@@ -229,3 +231,18 @@ def test_cli_rm_thread_rm_and_stats(tmp_path):
     with Repository.open(store) as repo:
         assert repo.threads() == {"main": a.id}
         assert repo.stats()["commits"] == 1
+
+
+def test_a_prune_judges_only_its_own_stores_hot_copies(tmp_path):
+    """The hot tier is one per user; a user's servers may use other stores. A copy kept for
+    another store is never dropped as "gone from the store" (a CI run dropped 27 of them)."""
+    root = tmp_path / "hot"
+    for commit, store in (("a" * 64, "ours"), ("b" * 64, "theirs"), ("c" * 64, None)):
+        (root / commit).mkdir(parents=True)
+        (root / commit / "pages.img").write_bytes(b"x" * 10)
+        (root / f"{commit}.json").write_text(json.dumps(
+            {"commit": commit, "used": 1.0, "bytes": 10, "store": store}))
+    in_our_store: set[str] = set()  # none of them: all "gone" from our store
+    dropped = hot_dir.prune(root, lambda e: e.store != "ours" or e.commit in in_our_store)
+    assert [e.commit for e in dropped] == ["a" * 64]
+    assert sorted(e.commit for e in hot_dir.entries(root)) == ["b" * 64, "c" * 64]

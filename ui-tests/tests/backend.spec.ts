@@ -488,11 +488,13 @@ test.describe('Infinijup end to end @backend', () => {
     await waitForKernelIdle(page);
     expect(await run(page, 'print(x)')).toBe('41');
     // One session for the notebook (issue 28, item 5): the one Lab made.
-    const sessionsAt = async (path: string): Promise<number> => {
+    const sessionsAt = async (path: string): Promise<string[]> => {
       const all = await (await page.request.get('/api/sessions')).json();
-      return all.filter((s: any) => s.path === path).length;
+      return all
+        .filter((s: any) => s.path === path)
+        .map((s: any) => `${s.id} ${s.name} ${s.kernel?.id}`);
     };
-    expect(await sessionsAt(`${tmpPath}/${name}`)).toBe(1);
+    expect(await sessionsAt(`${tmpPath}/${name}`)).toHaveLength(1);
 
     // The same snapshot in a new notebook next to this one.
     await row(page, a).click();
@@ -514,8 +516,8 @@ test.describe('Infinijup end to end @backend', () => {
       .toContain(copy);
     await waitForKernelIdle(page);
     expect(await run(page, 'print(x)')).toBe('41');
-    expect(await sessionsAt(`${tmpPath}/${copy}`)).toBe(1);
-    expect(await sessionsAt(`${tmpPath}/${name}`)).toBe(1);
+    expect(await sessionsAt(`${tmpPath}/${copy}`)).toHaveLength(1);
+    expect(await sessionsAt(`${tmpPath}/${name}`)).toHaveLength(1);
   });
 });
 

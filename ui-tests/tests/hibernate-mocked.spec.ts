@@ -247,10 +247,12 @@ test.describe('Hibernation @mocked', () => {
         }
       });
     await page.menu.clickMenuItem('Kernel>Hibernate Kernel');
+    // said whole within the 140 characters a toast shows (the server's own words behind
+    // Details)
     await expect(
       toasts(page).filter({
         hasText:
-          'Hibernate of cmd.ipynb failed: the kernel stayed busy for 30 s: a cell is running (kernel_busy)'
+          'Hibernate of cmd.ipynb failed: the kernel is running a cell: interrupt it or retry when it ends (kernel_busy)'
       })
     ).toBeVisible();
     await expectRest(page, 'running', null);
