@@ -128,10 +128,16 @@ def _clean_item(item: object) -> dict | None:
     name, kind, size, shape, fp = (item.get(k) for k in ("name", "type", "size", "shape", "fp"))
     if not (isinstance(name, str) and isinstance(kind, str) and isinstance(fp, str)):
         return None
-    return {"name": name[:200], "type": kind[:200],
-            "size": size if type(size) is int and size >= 0 else 0,
-            "shape": shape[:200] if isinstance(shape, str) else None,
-            "fp": fp[:64], "changed": bool(item.get("changed", True))}
+    out = {"name": name[:200], "type": kind[:200],
+           "size": size if type(size) is int and size >= 0 else 0,
+           "shape": shape[:200] if isinstance(shape, str) else None,
+           "fp": fp[:64], "changed": bool(item.get("changed", True))}
+    value = item.get("value")
+    if isinstance(value, str):  # what Compare shows (describe.py cut it to 60 characters)
+        out["value"] = value[:200]
+    if item.get("partial") is True:  # too large to look at fully: "unchanged" may miss
+        out["partial"] = True
+    return out
 
 
 def _clean_release(report: object) -> dict:

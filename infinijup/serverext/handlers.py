@@ -180,7 +180,8 @@ class ResumeHandler(InfinijupHandler):
             return await self.call(_raise(exc))
         await self.call(self.manager.resume(path, ref, kernel_name=kernel_name,
                                             new_notebook=bool(body.get("new_notebook", False)),
-                                            force=bool(body.get("force", False))))
+                                            force=bool(body.get("force", False)),
+                                            session=body.get("session", True) is not False))
 
 
 class BranchHandler(InfinijupHandler):

@@ -302,7 +302,8 @@ class SnapshotManager(LoggingConfigurable):
         for s in await self.serverapp.session_manager.list_sessions():
             if (s.get("kernel") or {}).get("id") == kernel_id:
                 return s.get("path") or s.get("notebook", {}).get("path") or f"kernel-{kernel_id}"
-        return f"kernel-{kernel_id}"
+        # a kernel resumed for a notebook whose client makes the session (resume.py)
+        return self.resumes.paths.get(kernel_id) or f"kernel-{kernel_id}"
 
     def has_head(self, kernel_id: str) -> bool:
         return self.heads.get(kernel_id).commit is not None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 
 from ..engine.naming import notebook_key
 from ..engine.retarget import why_not_retargetable
@@ -23,10 +24,16 @@ class Resumes:
     def __init__(self, manager) -> None:  # noqa: ANN001 - the SnapshotManager
         self.m = manager
         self._path_locks: dict[str, asyncio.Lock] = {}  # one resume at a time per notebook
+        # kernel id -> notebook, for a kernel started without a session (session=False): the
+        # notebook's client makes the one session (Lab opens its own, so a session made here
+        # would be a second one for the path)
+        self.paths: dict[str, str] = {}
 
     async def resume(self, path: str, ref: str, *, kernel_name: str | None = None,
-                     new_notebook: bool = False, force: bool = False) -> dict:
+                     new_notebook: bool = False, force: bool = False,
+                     session: bool = True) -> dict:
         m = self.m
+        make_session = session  # False: the notebook's client makes it (see self.paths)
         repo = m.repo()
         commit_id = await asyncio.to_thread(resolve, repo, notebook_key(path), ref)
         commit = await asyncio.to_thread(repo.get_commit, commit_id)
@@ -42,16 +49,25 @@ class Resumes:
             sessions = m.serverapp.session_manager
             session = await self.session_of(path)
             started = session is None
-            if started:
-                session = await sessions.create_session(
-                    path=path, name=path, type="notebook",
-                    kernel_name=kernel_name or meta.get("kernel_name") or "infinijup")
+            kernel = kernel_name or meta.get("kernel_name") or "infinijup"
+            if started and not make_session:
+                kernel_id = await sessions.start_kernel_for_session(
+                    str(uuid.uuid4()), path, path, "notebook", kernel)
+                self.paths[kernel_id] = path
+                session = {"id": None, "kernel": {"id": kernel_id}}
+            elif started:
+                session = await sessions.create_session(path=path, name=path, type="notebook",
+                                                        kernel_name=kernel)
             kernel_id = session["kernel"]["id"]
             try:
                 result = await restore(m, kernel_id, commit_id, force=force)
             except BaseException:
                 if started:
-                    await sessions.delete_session(session["id"])
+                    if session["id"] is not None:
+                        await sessions.delete_session(session["id"])
+                    else:
+                        self.paths.pop(kernel_id, None)
+                        await m.kernel_manager.shutdown_kernel(kernel_id)
                     m.heads.forget(kernel_id)
                 raise
         return {**result, "session_id": session["id"], "path": path, "started": started,

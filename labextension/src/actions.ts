@@ -479,7 +479,9 @@ export class InfinijupActions {
       const result = await this._api.resume({
         path,
         commit: commit?.id ?? ref,
-        new_notebook: newNotebook || undefined
+        new_notebook: newNotebook || undefined,
+        // the copy's one session is the one Lab makes when it opens it
+        session: newNotebook ? false : undefined
       });
       const short = shortId(result.commit);
       if (newNotebook) {

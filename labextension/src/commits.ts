@@ -90,7 +90,9 @@ export function variablesOf(commit: ICommit): IVariables | null {
           : 0,
       shape: typeof v.shape === 'string' && v.shape ? v.shape : null,
       fp: typeof v.fp === 'string' ? v.fp : String(v.fp ?? ''),
-      changed: v.changed === true
+      changed: v.changed === true,
+      ...(typeof v.value === 'string' && v.value ? { value: v.value } : {}),
+      ...(v.partial === true ? { partial: true } : {})
     });
   }
   return { items, truncated: vars.truncated === true };

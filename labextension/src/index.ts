@@ -160,6 +160,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
         await settingsObject?.set(key, value);
       },
       openNotebook: async (path, kernelId) => {
+        // The server started the kernel without a session (resume with
+        // session: false): opening the notebook on it makes the one session.
         await commands.execute('docmanager:open', {
           path,
           factory: 'Notebook',

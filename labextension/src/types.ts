@@ -76,6 +76,8 @@ export interface IVariableInfo {
   changed: boolean;
   /** A short view of a small value (repr, cut; an array's min, max, mean), where recorded. */
   value?: string;
+  /** Too large to look at fully: "unchanged" means no change was seen. */
+  partial?: boolean;
 }
 
 /** `metadata.variables`. */
@@ -163,6 +165,8 @@ export interface IResumeRequest {
   kernel_name?: string;
   /** Copy the notebook to a new file and resume there. */
   new_notebook?: boolean;
+  /** false: start the kernel without a session (the client opens the notebook on it). */
+  session?: boolean;
 }
 
 /** POST /infinijup/resume reply (200). */

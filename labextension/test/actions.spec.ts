@@ -307,7 +307,8 @@ describe('resume', () => {
     expect(api.resume).toHaveBeenCalledWith({
       path: 'nb.ipynb',
       commit: ID(1),
-      new_notebook: true
+      new_notebook: true,
+      session: false
     });
     expect(api.restore).not.toHaveBeenCalled();
     expect(openNotebook).toHaveBeenCalledWith('nb-11111111.ipynb', 'k-new-nb');

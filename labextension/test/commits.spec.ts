@@ -107,7 +107,15 @@ describe('commit labels', () => {
     const bad = bare('b');
     bad.metadata = {
       cell: 'nope',
-      variables: { items: [null, 3, { name: 5 }, { name: 'ok', size: 'x' }] }
+      variables: {
+        items: [
+          null,
+          3,
+          { name: 5 },
+          { name: 'ok', size: 'x' },
+          { name: 'kept', type: 'int', value: '111', partial: true, value2: 1 }
+        ]
+      }
     };
     expect(commitTitle(bad)).toBe('(no message)');
     expect(variablesOf(bad)).toEqual({
@@ -119,6 +127,16 @@ describe('commit labels', () => {
           shape: null,
           fp: '',
           changed: false
+        },
+        {
+          name: 'kept',
+          type: 'int',
+          size: 0,
+          shape: null,
+          fp: '',
+          changed: false,
+          value: '111',
+          partial: true
         }
       ],
       truncated: false

@@ -233,7 +233,8 @@ def _variables(commit: dict) -> dict[str, dict]:
     items = meta["variables"]["items"]
     assert [it["name"] for it in items] == sorted(it["name"] for it in items)
     for it in items:
-        assert set(it) == {"name", "type", "size", "shape", "fp", "changed"}, it
+        assert {"name", "type", "size", "shape", "fp", "changed"} <= set(it) <= \
+            {"name", "type", "size", "shape", "fp", "changed", "value", "partial"}, it
     return {it["name"]: it for it in items}
 
 
@@ -351,3 +352,19 @@ async def test_percent_snapshot_says_its_id_once_stored(notebook):
     assert stdout.startswith("Snapshot taken on thread 'main'"), stdout
     commit = (await nb.history())["commits"][0]["id"]
     assert text.startswith(f"Stored as {commit[:12]} ("), text
+
+
+@needs_helper
+async def test_the_commit_keeps_the_values_and_partial_marks_compare_shows(notebook):
+    """End to end (the server checks what a kernel sends field by field): a commit's
+    variables keep their short values and the mark of one too large to look at fully."""
+    nb = notebook
+    await nb.execute("counter = 111\nname = 'before'\nhuge = list(range(5000))")
+    await nb.snapshot(message="values")  # through the server's quiesce
+    await nb.execute("%snapshot -m 'from the magic'")  # through the magic's own request
+    for commit in (await nb.history())["commits"]:
+        items = {it["name"]: it for it in commit["metadata"]["variables"]["items"]}
+        assert items["counter"]["value"] == "111", (commit["message"], items["counter"])
+        assert items["name"]["value"] == "'before'", items["name"]
+        assert items["huge"].get("partial") is True and "value" not in items["huge"], \
+            items["huge"]

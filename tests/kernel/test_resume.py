@@ -175,3 +175,32 @@ async def test_bad_resumes_start_nothing(notebook: Notebook, tmp_path, monkeypat
         assert reason is None or body["reason"] == reason, body
         assert await kernel_ids(notebook) == before  # nothing started is left running
     assert await notebook.value("x") == 7
+
+
+async def test_a_copy_resumed_without_a_session_gets_the_one_its_client_makes(notebook: Notebook):
+    """Issue 28, item 5: Lab opens its own session for a notebook it opens on a kernel, so the
+    UI's "Open in new notebook" asks for no session (session: false); the kernel knows its
+    notebook meanwhile, and the session Lab then makes is the only one for the copy."""
+    await notebook.execute("x = 5")
+    snap = await notebook.snapshot(message="template")
+    code, body = await resume(notebook, snap["commit"], new_notebook=True, session=False)
+    assert code == 200 and body["session_id"] is None and body["started"], body
+    copy, kernel_id = body["path"], body["kernel_id"]
+    sessions = json.loads((await notebook.fetch("api", "sessions")).body)
+    assert copy not in {s["path"] for s in sessions}
+    r = await notebook.fetch("infinijup", "history", params={"kernel_id": kernel_id})
+    assert json.loads(r.body)["path"] == copy
+    # what Lab does: a session under a temporary path on that kernel, then renamed
+    r = await notebook.fetch("api", "sessions", method="POST", body=json.dumps(
+        {"path": uuid.uuid4().hex, "type": "notebook", "name": "",
+         "kernel": {"id": kernel_id}}))
+    made = json.loads(r.body)
+    await notebook.fetch("api", "sessions", made["id"], method="PATCH",
+                         body=json.dumps({"path": copy}))
+    sessions = json.loads((await notebook.fetch("api", "sessions")).body)
+    assert [s["kernel"]["id"] for s in sessions if s["path"] == copy] == [kernel_id]
+    nb = await attach(Notebook(notebook.fetch, notebook.ws_fetch, copy), kernel_id)
+    try:
+        assert await nb.value("x") == 5
+    finally:
+        await nb.close()

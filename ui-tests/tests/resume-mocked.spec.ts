@@ -118,7 +118,12 @@ test.describe('Resume @mocked', () => {
       toasts(page).filter({ hasText: `Opened ${short('m2')} in ${copy}` })
     ).toBeVisible();
     expect(backend.bodies.resume).toEqual([
-      { path: 'opennew.ipynb', commit: hex('m2'), new_notebook: true }
+      {
+        path: 'opennew.ipynb',
+        commit: hex('m2'),
+        new_notebook: true,
+        session: false
+      }
     ]);
     // A new tab with the copy, on the kernel the server started for it; the
     // first notebook keeps its kernel.
