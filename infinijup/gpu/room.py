@@ -24,11 +24,12 @@ def free_by_gpu() -> dict[str, int]:
         pynvml.nvmlShutdown()
 
 
-def held_by_tree(root: int) -> dict[str, int]:
-    """Bytes the processes of the tree at ``root`` hold on each GPU, by UUID."""
+def held_by_tree(root: int, report=None) -> dict[str, int]:  # noqa: ANN001
+    """Bytes the processes of the tree at ``root`` hold on each GPU, by UUID (``report``: an
+    NVML reading to use, for several kernels at once)."""
     from .preflight import read_nvml
 
-    return read_nvml().usage_by_gpu(set(_tree(root)))
+    return (report or read_nvml()).usage_by_gpu(set(_tree(root)))
 
 
 def uses_cuda(root: int) -> bool:

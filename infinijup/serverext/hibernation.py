@@ -378,9 +378,9 @@ class Hibernation:
         """The snapshot a kernel slept in aside is not needed any more (it woke, or was shut
         down): its ref goes, and gc may take what only it held."""
         try:
-            repo = self.manager.repo()
-            if aside_ref(kernel_id) in repo.threads():
-                repo.delete_thread(aside_ref(kernel_id))
+            self.manager.repo().delete_thread(aside_ref(kernel_id))
+        except NotFound:  # gone already
+            pass
         except InfinijupError as exc:
             self.manager.log.warning("infinijup: could not drop %s: %s", aside_ref(kernel_id),
                                      exc.message)
