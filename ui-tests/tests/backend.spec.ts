@@ -521,6 +521,54 @@ test.describe('Infinijup end to end @backend', () => {
   });
 });
 
+/**
+ * Kernel › Restart, with Galata's tracking of the kernels API off: it proxies every POST under
+ * /api/kernels and answers 201, and Lab takes anything but 200 from a restart for a failure
+ * (it then never reconnects and the status bar says "Starting" for good). The notebook's
+ * session is still tracked, and its kernel shut down with it.
+ */
+test.describe('Restart lineage @backend', () => {
+  test.use({ kernels: null });
+
+  test('after Kernel › Restart the next snapshot is a new root, and the panel says so', async ({
+    page,
+    tmpPath
+  }, testInfo) => {
+    test.setTimeout(4 * OP_TIMEOUT);
+    await infinijupNotebook(page, tmpPath, 'restart');
+    expect(await run(page, 'x = 1\nx')).toBe('1');
+    const a = await snapshot(page);
+    await openHistory(page);
+    const headline = page.locator('#infinijup-history .jp-Infinijup-headline');
+    await expect(headline).toHaveText(`HEAD ${a} · next snapshot on main`);
+    await page.evaluate(() =>
+      (
+        window as any
+      ).jupyterapp.shell.currentWidget.sessionContext.restartKernel()
+    );
+    await waitForKernelIdle(page);
+    // The header follows the restart: no old HEAD, a new root next.
+    await expect(headline).toHaveText(
+      'Fresh kernel · next snapshot starts new root main-1',
+      { timeout: OP_TIMEOUT }
+    );
+    await screenshot(
+      page.locator('#infinijup-history'),
+      testInfo,
+      'restart-new-root'
+    );
+    expect(await run(page, "'x' in dir()")).toBe('False');
+    const b = await snapshot(page, 'main-1');
+    await row(page, b).click();
+    const card = page.locator('#infinijup-history .jp-Infinijup-details');
+    await expect(card.locator('tr', { hasText: 'Parents' })).toContainText(
+      'none (first snapshot)'
+    );
+    // Nothing was "deleted": the new root descends from nothing.
+    await expect(card.locator('.jp-Infinijup-removed')).toHaveCount(0);
+  });
+});
+
 /** Issue 28's stories against the real backend. */
 test.describe('History that says what happened @backend', () => {
   test('Compare shows the values that differ', async ({
