@@ -31,6 +31,7 @@ import { CommandIDs } from './commandids';
 import { asRequestError } from './errors';
 import { shortId } from './format';
 import { GpuIndicator } from './gpuStatus';
+import { HeadToolbarExtension } from './headLabel';
 import { branchIcon, historyIcon, restoreIcon, snapshotIcon } from './icons';
 import { ManagedKernels } from './kernels';
 import { HistoryModel } from './model';
@@ -200,6 +201,12 @@ const plugin: JupyterFrontEndPlugin<void> = {
       }
     };
 
+    // Which snapshot each notebook's kernel is in, in its toolbar.
+    const heads = new HeadToolbarExtension({
+      api: cancelClient,
+      onOpen: () => void commands.execute(CommandIDs.showHistory)
+    });
+
     // Live updates: snapshots from %snapshot, other tabs, progress phases.
     const events = serviceManager.events;
     if (events) {
@@ -210,6 +217,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
           return;
         }
         actions.handleEvent(event);
+        heads.handleEvent(event);
         model.handleEvent(event);
         progress.handleEvent(event);
       });
@@ -287,6 +295,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
       'Notebook',
       new RestToolbarExtension(restOptions)
     );
+    app.docRegistry.addWidgetExtension('Notebook', heads);
 
     const refreshCommands = () => commands.notifyCommandChanged();
     managed.changed.connect(refreshCommands);

@@ -193,7 +193,13 @@ test.describe('Infinijup end to end @backend', () => {
       .toBe(true);
     expect(await run(page, 'x = 41\nx')).toBe('41');
 
+    const head = page.locator(
+      '.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Infinijup-head'
+    );
+    await expect(head).toHaveText('no snapshot');
     const first = await snapshot(page);
+    // The notebook's toolbar says which snapshot its kernel is in.
+    await expect(head).toHaveText(`at ${first}`);
     await openHistory(page);
     await expect(row(page, first)).toHaveClass(/jp-mod-head/);
     await expect(
@@ -249,6 +255,15 @@ test.describe('Infinijup end to end @backend', () => {
     ).toBeAttached();
 
     expect(await run(page, 'print(x)')).toBe('41');
+    // Execution counts went back to the snapshot's; the toolbar says where the kernel is.
+    await expect(head).toHaveText(`at ${first}`);
+    await screenshot(
+      page.locator(
+        '.jp-NotebookPanel:not(.lm-mod-hidden) .jp-NotebookPanel-toolbar'
+      ),
+      testInfo,
+      'toolbar-head'
+    );
 
     const shot = testInfo.outputPath('history-panel-after-restore.png');
     await page.locator('#infinijup-history').screenshot({ path: shot });
@@ -547,6 +562,9 @@ test.describe('Restart lineage @backend', () => {
       ).jupyterapp.shell.currentWidget.sessionContext.restartKernel()
     );
     await waitForKernelIdle(page);
+    await expect(
+      page.locator('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Infinijup-head')
+    ).toHaveText('no snapshot', { timeout: OP_TIMEOUT });
     // The header follows the restart: no old HEAD, a new root next.
     await expect(headline).toHaveText(
       'Fresh kernel · next snapshot starts new root main-1',
