@@ -5,13 +5,17 @@ memory to host memory and releases the GPU, ``...Restore`` brings it back and ``
 it run. The driver has no rollback of its own: callers unwind with :func:`resume`.
 
 The helper's own (it imports nothing of the ``infinijup`` package: see
-scripts/install_helper.py); the benchmarks call it too.
+scripts/install_helper.py); the benchmarks call it too. Hold points (holds.py) for the fault
+tests: ``cuda_locked`` (locked, not checkpointed), ``cuda_checkpointed`` (the helper has not
+answered yet), ``cuda_restored`` (back on the GPU, still locked).
 """
 
 from __future__ import annotations
 
 import enum
 from functools import lru_cache
+
+from .holds import hold
 
 
 class CudaError(Exception):
@@ -141,10 +145,12 @@ def suspend(pid: int, timeout_ms: int) -> None:
     """Lock and checkpoint: the process's VRAM goes to host memory; unwinds on failure."""
     lock(pid, timeout_ms)
     try:
+        hold("cuda_locked", pid=pid)
         checkpoint(pid)
     except CudaError:
         unlock(pid)
         raise
+    hold("cuda_checkpointed", pid=pid)
 
 
 def resume(pid: int, gpu_map: tuple[tuple[str, str], ...] = ()) -> None:
@@ -153,5 +159,6 @@ def resume(pid: int, gpu_map: tuple[tuple[str, str], ...] = ()) -> None:
     if st is CudaState.CHECKPOINTED:
         restore(pid, gpu_map)
         st = CudaState.LOCKED
+        hold("cuda_restored", pid=pid)
     if st is CudaState.LOCKED:
         unlock(pid)

@@ -15,7 +15,9 @@ The points (KIND is ``dump`` or ``restore``):
   ``pre-dump``, ``query-ext-files`` (the tree frozen, nothing dumped yet), ``post-dump``
   (dumped, still frozen); ``pre-restore``, ``post-restore`` (the tree created, not yet
   resumed), ``pre-resume``, ``post-resume``;
-* ``criu_KIND_response``: CRIU has answered, the helper has not acted on the answer yet.
+* ``criu_KIND_response``: CRIU has answered, the helper has not acted on the answer yet;
+* ``cuda_locked``, ``cuda_checkpointed``, ``cuda_restored``: in the CUDA driver's checkpoint of a
+  process (cuda_driver.py), for a dump and for a release or reacquire of a kernel's GPU.
 """
 
 from __future__ import annotations

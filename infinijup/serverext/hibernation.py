@@ -39,10 +39,15 @@ from ..engine.lifecycle import (
 )
 from ..engine.naming import DEFAULT_THREAD
 from ..engine.steps import Steps
-from ..errors import Conflict, InfinijupError, NotFound
+from ..errors import Conflict, HelperError, InfinijupError, NotFound
 from ..gpu.room_plan import Candidate, margin_for, plan_room, release_refusal
 from .restore_flow import restore
 from .snapshot_flow import snapshot
+
+# How long a release cut short by the helper's death waits for it to come back (to unlock the
+# kernel's CUDA), and the reasons that mean it is away rather than refusing
+HELPER_BACK_S = 60.0
+HELPER_AWAY = ("helper_unavailable", "helper_disconnected")
 
 
 @dataclass
@@ -219,9 +224,26 @@ class Hibernation:
             moved = await step("offload", m.offload_gpu(kernel_id),
                                undo=lambda: m.bring_back_gpu(kernel_id, rest.token))
             rest.token = moved.get("token")
+            # cut short (the helper killed between the driver's lock and its answer), the
+            # driver's step leaves the kernel's CUDA locked or checkpointed: it is taken back
+            # (unlocked) before the segments are mapped again, else the kernel would hang
+            await step("driver-undo", undo=lambda: self._take_gpu_back(kernel_id))
             detail = await step("driver", m.release_gpu(kernel_id))
         return {**detail, "arena": {k: moved[k] for k in ("bytes", "seconds", "fallback")
                                     if k in moved}}
+
+    async def _take_gpu_back(self, kernel_id: str) -> None:
+        """Resume whatever of the kernel's CUDA is locked or checkpointed (nothing: a no-op).
+        A helper that died meanwhile is waited for a while (a service manager restarts it)."""
+        deadline = time.monotonic() + HELPER_BACK_S
+        while True:
+            try:
+                await self.manager.reacquire_gpu(kernel_id)
+                return
+            except HelperError as exc:
+                if exc.reason not in HELPER_AWAY or time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
 
     async def _wake(self, kernel_id: str, rest: Rest) -> None:
         m = self.manager
