@@ -50,6 +50,10 @@ class InfinijupProvisioner(LocalProvisioner):
         # otherwise take it for dead and start a fresh one beside it.
         return self.tracked is not None or self.hibernated or self._away()
 
+    def has_live_process(self) -> bool:
+        """Is the kernel's process (its tree's init) alive right now?"""
+        return self.tracked is not None and self.tracked.alive()
+
     def _away(self) -> bool:
         return self.away_on_purpose is not None and self.away_on_purpose()
 

@@ -195,6 +195,7 @@ class Hibernation:
         turn = await self.lifecycle.begin(kernel_id, RELEASING)
         self.rests[kernel_id] = rest = Rest()
         event = Operation("release", kernel_id)
+        root = getattr(km.provisioner, "root_pid", None)  # another one: it died, was restarted
         try:
             rest.vram = await m.gpu_held(kernel_id)
             # its GPU memory goes to host memory: only if that holds it (room_plan.py)
@@ -205,11 +206,18 @@ class Hibernation:
                 raise Conflict(why, reason="no_host_memory")
             detail = await self._release_steps(kernel_id, rest)
         except BaseException as exc:
+            prov = km.provisioner
+            if isinstance(exc, Exception) and hasattr(prov, "has_live_process") and (
+                    prov.root_pid != root or not prov.has_live_process()):
+                # the driver's own words ("CUDA unlock failed: NOT_INITIALIZED") hide the cause
+                exc = InfinijupError(f"the kernel's process ended during its GPU release "
+                                     f"({getattr(exc, 'message', exc)}); Jupyter restarts it "
+                                     "fresh", reason="kernel_died")
             self.rests.pop(kernel_id, None)
             rest.entered.set()
             turn.back()  # running: the requests held meanwhile go to it
             m.events.failed(event, exc, kernel_state=RUNNING)
-            raise
+            raise exc
         turn.to(RELEASED)
         rest.entered.set()
         rest.since = time.time()

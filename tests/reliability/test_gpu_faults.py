@@ -14,9 +14,10 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 
 import pytest
-from reliakit import needs_helper, provisioner
+from reliakit import ipykernel_pid, needs_helper, provisioner
 
 HAS_GPU = os.path.exists("/dev/nvidiactl") and shutil.which("nvidia-smi") is not None
 
@@ -103,3 +104,34 @@ async def test_helper_killed_during_a_wake(notebook, jp_serverapp, rhelper):
     assert await nb.value(CHECK) is True  # the next cell wakes it
     assert await _state(nb) == "running"
     assert _held(jp_serverapp, nb) > GIB
+
+
+async def test_kernel_killed_during_a_release(notebook, jp_serverapp, rhelper):
+    """The kernel itself dies with its CUDA locked (killed from outside: its state is gone, and
+    no tool could keep it). The release fails with the reason, the GPU holds nothing of the dead
+    process, and the kernel is restarted fresh once the release has given up, not before."""
+    from infinijup.gpu.preflight import read_nvml
+
+    nb = notebook
+    await _filled(nb, jp_serverapp, seed=33)
+    prov = provisioner(jp_serverapp, nb.kernel_id)
+    launches = prov.launches
+    kernel = ipykernel_pid(prov.root_pid)
+    rhelper.holds.arm("cuda_locked")
+    task = asyncio.ensure_future(nb.post("release", {"kernel_id": nb.kernel_id}))
+    await rhelper.holds.reached("cuda_locked")
+    os.kill(kernel, signal.SIGKILL)
+    root = prov.root_pid
+    while prov.root_pid == root and prov.has_live_process():  # its tree's init follows it
+        await asyncio.sleep(0.01)
+    rhelper.holds.release("cuda_locked")
+    r = await task
+    assert r.code >= 400, r.body
+    assert json.loads(r.body)["reason"] == "kernel_died", r.body
+    print(f"\nkernel killed mid-release: {r.code} {json.loads(r.body)['message']}")
+    assert not sum(read_nvml().usage_by_gpu({kernel}).values())  # nothing left on the GPU
+    while prov.launches == launches:  # the restarter's turn comes after the failed release
+        await asyncio.sleep(0.1)
+    await nb.reconnect()
+    assert await nb.value("'t' in dir()") is False  # a fresh kernel, and it answers
+    assert await _state(nb) == "running"
