@@ -74,7 +74,8 @@ def head_after_restore(commit: str, commit_thread: str, threads: dict[str, str],
     return Head(commit=commit, thread=None, base_thread=commit_thread)
 
 
-def unchanged_since(parent_meta: dict, execution_count: int | None, described: dict) -> bool:
+def unchanged_since(parent_meta: dict, execution_count: int | None, described: dict,
+                    cells_count: bool = True) -> bool:
     """Is a kernel about to be snapshotted (``execution_count`` and ``described``: its
     quiesce answer) still in the state of the snapshot it stands on (``parent_meta``)?
 
@@ -84,9 +85,12 @@ def unchanged_since(parent_meta: dict, execution_count: int | None, described: d
     see is a change made by a thread of the kernel's own to something no fingerprint covers;
     that change is still in the snapshot taken (a hibernation wakes from it), only not shown
     as a commit of its own.
+
+    ``cells_count`` False (an undo's question): cells that changed no variable (a print, a
+    plot) do not count as a change.
     """
     count = parent_meta.get("execution_count")
-    if execution_count is None or count is None or count != execution_count:
+    if cells_count and (execution_count is None or count is None or count != execution_count):
         return False
     now, then = described.get("variables"), parent_meta.get("variables")
     if not isinstance(now, dict) or not isinstance(then, dict):

@@ -12,7 +12,7 @@ __all__ = ["register_engine", "register_quiesce_hook", "register_resume_hook", "
 def load_ipython_extension(ipython) -> None:  # noqa: ANN001 - IPython's own type
     # Everything the server's agent and the magics use is imported now, at start-up: a module
     # first imported by a snapshot would be a change the user can see in sys.modules.
-    from . import agent, describe, gpu_vmm, isolation, retarget  # noqa: F401
+    from . import agent, autosnap, describe, gpu_vmm, isolation, retarget  # noqa: F401
     from .gpu_sync import synchronize_gpus
     from .magics import InfinijupMagics
 
@@ -21,3 +21,4 @@ def load_ipython_extension(ipython) -> None:  # noqa: ANN001 - IPython's own typ
     register_quiesce_hook(synchronize_gpus)
     ipython.events.register("pre_run_cell", gpu_vmm.before_cell)
     ipython.register_magics(InfinijupMagics)
+    autosnap.install(ipython)  # after the cell hooks above: a snapshot sees their work done

@@ -116,6 +116,21 @@ def forget() -> str:
     return _answer(ip, {})
 
 
+def autosnapshot(on: bool | None = None) -> str:
+    """Turn this kernel's automatic snapshots on or off (None: leave them); what they are."""
+    from . import autosnap
+
+    auto = autosnap.instance()
+    if auto is None:
+        return json.dumps({"installed": False})
+    if on is not None:
+        auto.settings.on = bool(on)
+    s = auto.settings
+    return json.dumps({"installed": True, "on": s.on, "share": s.share, "after_s": s.after_s,
+                       "taken": auto.taken, "skipped": auto.skipped, "failures": auto.failures,
+                       "last_error": auto.last_error})
+
+
 def expression(name: str, *args: object) -> str:
     """The user expression that calls ``name(*args)`` in this module (for the server)."""
     call_args = ", ".join(repr(a) for a in args)
@@ -216,6 +231,8 @@ def commit_metadata(info: object) -> dict:
     running = _clean_sidecars(info.get("sidecars"))
     if running:
         out["sidecars"] = running
+    if info.get("auto") is True:  # an automatic snapshot (autosnap.py)
+        out["auto"] = True
     parked = info.get("engines")
     if isinstance(parked, list):
         names = [n[:100] for n in parked[:50] if isinstance(n, str)]

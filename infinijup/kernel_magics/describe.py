@@ -76,6 +76,11 @@ def describe(ip) -> dict:  # noqa: ANN001 - IPython's shell
     return {"cell": cell, "variables": {"items": items, "truncated": truncated}}
 
 
+def parent_names() -> list[str]:
+    """The variables of this kernel's last snapshot (what a next one compares with)."""
+    return list(_parent_fps)
+
+
 def forget() -> None:
     """The snapshot just described was not committed: its parent's fingerprints stay."""
     global _parent_fps, _rollback

@@ -1,5 +1,5 @@
-"""``%snapshot``, ``%restore``, ``%snapshots``, ``%branch`` and ``%hibernate``: Infinijup from
-inside a notebook.
+"""``%snapshot``, ``%restore``, ``%snapshots``, ``%branch``, ``%hibernate``, ``%autosnapshot``,
+``%undo`` and ``%redo``: Infinijup from inside a notebook.
 
 A magic that fails raises :class:`MagicError`: the cell fails (``execute_reply`` status
 "error", the notebook shows the message as an error) and "Run All" stops there.
@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import shlex
 import threading
-import uuid
 
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from ..errors import InfinijupError
-from . import describe, hooks, sidecars
+from . import autosnap, sidecars, snapshot_call
 from .graph import _size, render_history
 from .server_client import ServerError, kernel_id, request, wait_result
-
-SNAPSHOT_TIMEOUT_S = 3600.0
+from .snapshot_call import SNAPSHOT_TIMEOUT_S
 
 __all__ = ["InfinijupMagics", "MagicError"]
 
@@ -82,36 +80,12 @@ class InfinijupMagics(Magics):
     def snapshot(self, line: str) -> None:
         """Snapshot this kernel, whole: ``%snapshot [-m MESSAGE] [-t THREAD] [-w]``."""
         args = parse_argstring(self.snapshot, line)
-        described = False
         try:
-            quiesced = hooks.run_quiesce()
-            request_id = uuid.uuid4().hex
-            body = {
-                "kernel_id": kernel_id(), "message": args.message, "from_kernel": True,
-                # the running cell's number (IPython has already moved the count past it)
-                "request_id": request_id, "execution_count": self.shell.execution_count - 1,
-            }
-            try:
-                body["metadata"] = describe.describe(self.shell)
-                described = True
-            except Exception:  # a commit without a description rather than no commit
-                pass
-            for key in ("gpu_release", "gpu_segments", "sidecars", "engines"):
-                if quiesced.get(key):
-                    body.setdefault("metadata", {})[key] = quiesced[key]
-            if args.thread:
-                body["thread"] = args.thread
-            request("POST", "/infinijup/snapshot", body)
-            result = wait_result(request_id, SNAPSHOT_TIMEOUT_S, dumped=not args.wait)
-            if "error" in result:
-                err = result["error"]
-                raise ServerError(0, err.get("message", "unknown error"), err.get("reason", "error"))
+            result = snapshot_call.take(self.shell, message=args.message, thread=args.thread,
+                                        wait=args.wait)
         except ServerError as err:
-            if described:
-                describe.forget()
             raise _failed("Snapshot", err) from None
-        finally:
-            hooks.run_resume(False)
+        request_id = result["request_id"]
         stats = result.get("stats", {})
         if "commit" not in result:  # dumped; the server stores it now (events say when done)
             print(f"Snapshot taken on thread '{result.get('thread')}' "
@@ -119,7 +93,6 @@ class InfinijupMagics(Magics):
                   f"{stats.get('pause_s', 0):.2f} s)")
             _say_id_when_stored(request_id)
             return
-        describe.committed()
         print(
             f"Snapshot {result['commit'][:12]} on thread '{result['thread']}' "
             f"({_size(stats.get('image_bytes'))} image, {_size(stats.get('stored_bytes'))} new, "
@@ -181,6 +154,43 @@ class InfinijupMagics(Magics):
         except ServerError as err:
             raise _failed("Hibernate", err) from None
         print("The kernel hibernates once this cell is done; the next cell wakes it.")
+
+    @line_magic
+    def autosnapshot(self, line: str) -> None:
+        """Automatic snapshots after cells (autosnap.py): ``%autosnapshot on|off|status``."""
+        auto = autosnap.instance()
+        word = line.strip().lower() or "status"
+        if auto is None:
+            raise MagicError("automatic snapshots are not installed in this kernel",
+                             reason="not_managed")
+        if word not in ("on", "off", "status"):
+            raise MagicError(f"%autosnapshot takes on, off or status (got {line.strip()!r})",
+                             reason="bad_request")
+        if word != "status":
+            auto.settings.on = word == "on"
+        print(auto.status())
+
+    @line_magic
+    def undo(self, line: str) -> None:
+        """Back to the state before the last cell that changed this kernel, once this cell is
+        done: ``%undo``. Nothing is lost: ``%redo`` comes back (undo.py on the server)."""
+        self._undo_redo("undo", line)
+
+    @line_magic
+    def redo(self, line: str) -> None:
+        """Return to where the last ``%undo`` (or Undo) left: ``%redo``."""
+        self._undo_redo("redo", line)
+
+    def _undo_redo(self, what: str, line: str) -> None:
+        if line.strip():
+            raise MagicError(f"%{what} takes no arguments (got {line.strip()!r})",
+                             reason="bad_request")
+        try:
+            out = request("POST", f"/infinijup/{what}", {"kernel_id": kernel_id(),
+                                                         "from_kernel": True})
+        except ServerError as err:
+            raise _failed(what.capitalize(), err) from None
+        print(f"{out.get('says', what)}: once this cell is done, the next cell runs there.")
 
     @line_magic
     def sidecar(self, line: str) -> None:

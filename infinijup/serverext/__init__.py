@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 
 from .. import config
+from ..kernel_magics import autosnap
 from .handlers import setup_handlers
 from .manager import EVENT_SCHEMA_ID, SnapshotManager
 from .websocket import RestingKernelConnection
@@ -25,6 +26,10 @@ def _load_jupyter_server_extension(serverapp) -> None:  # noqa: ANN001 - jupyter
     # the token: kernels sign their requests with their message key (kernel_auth.py).
     os.environ[config.SERVER_URL_ENV] = serverapp.connection_url
     os.environ.setdefault(config.RESULTS_DIR_ENV, str(config.results_dir()))
+    # and their automatic snapshots' settings (kernel_magics/autosnap.py)
+    os.environ[autosnap.ENV] = (f"{'on' if manager.autosnapshot else 'off'},"
+                                f"share={manager.autosnapshot_share},"
+                                f"after={manager.autosnapshot_after_s}")
     # Requests to a resting kernel wait in its websocket and wake it (hibernation.py).
     serverapp.web_app.settings["kernel_websocket_connection_class"] = RestingKernelConnection
     stop_kernels = serverapp.cleanup_kernels

@@ -263,6 +263,49 @@ class WakeHandler(KernelActionHandler):
     action = "wake"
 
 
+class UndoHandler(InfinijupHandler):
+    """POST {"kernel_id", "from_kernel"?}: undo.py's undo (or redo, ``action``); from the
+    kernel itself (``%undo``), once the asking cell is done (202)."""
+
+    action = "undo"
+
+    @tornado.web.authenticated
+    @allowed
+    async def post(self) -> None:
+        try:
+            body = self.body()
+            kernel_id = _str(body, "kernel_id", required=True)
+            self.own_kernel(kernel_id)
+        except InfinijupError as exc:
+            return await self.call(_raise(exc))
+        from_kernel = bool(body.get("from_kernel"))
+        run = getattr(self.manager.undo_redo, self.action)
+        await self.call(run(kernel_id, from_kernel=from_kernel), status=202 if from_kernel else 200)
+
+
+class RedoHandler(UndoHandler):
+    action = "redo"
+
+
+class AutosnapshotHandler(InfinijupHandler):
+    """POST {"kernel_id", "on"?}: turn a kernel's automatic snapshots on or off (without
+    "on": only say how they are)."""
+
+    @tornado.web.authenticated
+    @allowed
+    async def post(self) -> None:
+        try:
+            body = self.body()
+            kernel_id = _str(body, "kernel_id", required=True)
+            self.own_kernel(kernel_id)
+            on = body.get("on")
+            if on is not None and not isinstance(on, bool):
+                raise BadRequest("'on' must be true or false")
+        except InfinijupError as exc:
+            return await self.call(_raise(exc))
+        await self.call(self.manager.kernel_autosnapshot(kernel_id, on))
+
+
 class HistoryHandler(InfinijupHandler):
     @tornado.web.authenticated
     @allowed
@@ -330,5 +373,8 @@ def setup_handlers(web_app) -> None:
         ("status", StatusHandler),
         ("delete", DeleteHandler),
         ("stats", StatsHandler),
+        ("undo", UndoHandler),
+        ("redo", RedoHandler),
+        ("autosnapshot", AutosnapshotHandler),
     ]
     web_app.add_handlers(".*$", [(url_path_join(base, "infinijup", name), h) for name, h in routes])

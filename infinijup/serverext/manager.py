@@ -41,6 +41,7 @@ from .events import EVENT_SCHEMA_ID, Events
 from .hibernation import Hibernation
 from .remote_tier import RemoteTier, budget_from_env, remote_from_env
 from .resume import Resumes
+from .undo import UndoRedo
 
 __all__ = ["EVENT_SCHEMA_ID", "SnapshotManager"]
 
@@ -53,6 +54,17 @@ class SnapshotManager(LoggingConfigurable):
     busy_timeout = Float(30.0, help="Seconds a snapshot or restore waits for a busy kernel "
                                     "before answering 409.").tag(config=True)
     answer_timeout = Float(60.0, help="Seconds a restored kernel has to answer.").tag(config=True)
+    autosnapshot = Bool(False, help="Kernels snapshot themselves after a cell when that is cheap "
+                                    "compared with the cell (see autosnapshot_share), and "
+                                    "always after a long one (autosnapshot_after_s), so that "
+                                    "Undo can go back before any cell. A kernel's own "
+                                    "%autosnapshot and Lab's setting override it."
+                        ).tag(config=True)
+    autosnapshot_share = Float(0.05, help="An automatic snapshot is taken when its predicted "
+                                          "pause is at most this share of the cell's run time."
+                               ).tag(config=True)
+    autosnapshot_after_s = Float(60.0, help="Seconds after which a cell is always followed by "
+                                            "an automatic snapshot.").tag(config=True)
     hot_tier_bytes = Integer(help="Bytes of recent snapshots' images kept ready in the helper's "
                                   "work dir, so that restoring them skips the store checkout "
                                   "(default: a quarter of the memory, at most 32 GiB; 0: none)."
@@ -139,6 +151,7 @@ class SnapshotManager(LoggingConfigurable):
         store = Path(self.store_path)
         self.hibernation = Hibernation(self, store.with_name(store.name + "-hibernated"))
         self.resumes = Resumes(self)
+        self.undo_redo = UndoRedo(self)  # undo.py
         self.remote_tier = RemoteTier(self)  # background push and eviction (remote_tier.py)
         self.remote_tier.start()
 
@@ -156,15 +169,39 @@ class SnapshotManager(LoggingConfigurable):
         ``busy_timeout``): it never ends a cell the user is running (interrupt it first). A
         resting kernel has no cell to wait for."""
         km = self.kernel(kernel_id)
-        if not self.lifecycle.resting(kernel_id):
-            await self.wait_idle(km)
-        return await restore_flow.restore(self, kernel_id, ref, **kwargs)
+        if self.lifecycle.resting(kernel_id):
+            return await restore_flow.restore(self, kernel_id, ref, **kwargs)
+        await self.wait_idle(km)
+        return await self.restore_keeping_settings(kernel_id, ref, **kwargs)
+
+    async def restore_keeping_settings(self, kernel_id: str, ref: str, **kwargs) -> dict:
+        """A restore after which the kernel's automatic snapshots are as they were before it
+        (the restored process had those of its snapshot's moment)."""
+        try:
+            before = (await self.kernel_autosnapshot(kernel_id, None)).get("on")
+        except InfinijupError:
+            before = None
+        result = await restore_flow.restore(self, kernel_id, ref, **kwargs)
+        if isinstance(before, bool):
+            try:
+                await self.kernel_autosnapshot(kernel_id, before)
+            except InfinijupError as exc:
+                self.log.warning("infinijup: automatic snapshots of %s not set back after the "
+                                 "restore: %s", kernel_id, exc.message)
+        return result
 
     async def restore_for_kernel(self, kernel_id: str, ref: str, branch: str | None) -> dict:
         return await restore_flow.restore_for_kernel(self, kernel_id, ref, branch)
 
     async def resume(self, path: str, ref: str, **kwargs) -> dict:
         return await self.resumes.resume(path, ref, **kwargs)
+
+    async def kernel_autosnapshot(self, kernel_id: str, on: bool | None) -> dict:
+        """A kernel's automatic snapshots (kernel_magics/autosnap.py): on, off, or as they are."""
+        km = self.kernel(kernel_id)
+        self.provisioner(km)
+        out = await run_agent(km, agent.expression("autosnapshot", on), self.busy_timeout)
+        return {"kernel_id": kernel_id, **out}
 
     async def branch(self, kernel_id: str, name: str) -> dict:
         return await history.branch(self, kernel_id, name)

@@ -48,14 +48,19 @@ class GpuGo:
 async def snapshot(m, kernel_id: str, *, message: str = "", thread: str | None = None,  # noqa: ANN001
                    from_kernel: bool = False, execution_count: int | None = None,
                    described: dict | None = None, request_id: str | None = None,
-                   within: Turn | None = None, aside: str | None = None) -> dict:
+                   within: Turn | None = None, aside: str | None = None,
+                   skip_unchanged: bool = False, auto: bool = False) -> dict:
     """Snapshot a kernel (``m`` is the SnapshotManager). ``within``: the turn of a larger move
     this snapshot is part of (a hibernation), which keeps the kernel's lifecycle state.
 
     ``aside``: a store ref. If the kernel is unchanged since the snapshot it stands on
     (heads.unchanged_since), this snapshot is kept on that ref instead of a thread of the
     notebook: it is no commit of the history, the kernel's head stays where it was, and the
-    answer says ``"aside": true``."""
+    answer says ``"aside": true``.
+
+    ``skip_unchanged``: a kernel unchanged since its head is not dumped at all: it runs on, and
+    the answer is ``{"unchanged": true, "commit": <its head>}`` (undo.py asks so). ``auto``:
+    the commit is marked automatic (issue 30)."""
     km = m.kernel(kernel_id)
     prov = m.provisioner(km)
     if m.lifecycle.state(kernel_id) == HIBERNATED:
@@ -72,6 +77,7 @@ async def snapshot(m, kernel_id: str, *, message: str = "", thread: str | None =
                       message=message, thread=thread, from_kernel=from_kernel,
                       execution_count=execution_count, described=described,
                       request_id=request_id, aside=aside)
+    run.skip_unchanged, run.auto = skip_unchanged, auto
     try:
         return await run.run()
     except InfinijupError as exc:
@@ -95,6 +101,9 @@ class SnapshotRun:
         self.head = m.heads.get(km.kernel_id)
         self.aside = aside  # the ref for a snapshot of an unchanged kernel (see snapshot())
         self.kept_aside = False
+        self.skip_unchanged = False  # see snapshot()
+        self.unchanged = False
+        self.auto = False
         self.plan = None
         self.resumed = False  # the kernel's resume hooks have run
         self.running_again_s: float | None = None
@@ -113,6 +122,12 @@ class SnapshotRun:
             gpu = GpuGo(token)
             await step("gpu_go", undo=lambda: asyncio.to_thread(gpu.say))
             target = await step("plan", asyncio.to_thread(self.plan_now))
+            if self.unchanged:  # nothing to save: the kernel runs on, as it was
+                gpu.say()
+                await self.kernel_goes_on()
+                m.events.emit(op, "done", 100, commit=self.head.commit or "", thread="",
+                              message="unchanged since its last snapshot: nothing taken")
+                return {"unchanged": True, "commit": self.head.commit}
             extra = self.arena_files()
 
             m.events.emit(op, "dump", 30)
@@ -161,9 +176,14 @@ class SnapshotRun:
         key = notebook_key(self.path)
         self.plan = plan = plan_snapshot(self.head, notebook_threads(repo.threads(), key),
                                          self.thread)
-        if self.aside is not None and self.head.commit is not None and unchanged_since(
-                repo.get_commit(self.head.commit).metadata or {}, self.execution_count,
-                self.described or {}):
+        same = self.head.commit is not None and (self.aside is not None or
+                                                 self.skip_unchanged) and unchanged_since(
+            repo.get_commit(self.head.commit).metadata or {}, self.execution_count,
+            self.described or {}, cells_count=not self.skip_unchanged)
+        if same and self.skip_unchanged:
+            self.unchanged = True
+            return {}
+        if same:
             self.kept_aside = True
             tip = repo.threads().get(self.aside)
             self.plan = plan = SnapshotPlan(self.aside, (self.head.commit,), tip)
@@ -174,6 +194,8 @@ class SnapshotRun:
             "connection": saved_connection(km.get_connection_info()),
             "infinijup_version": __version__, "gpu": None, **(self.described or {}),
         }
+        if self.auto:
+            metadata["auto"] = True
         if self.kept_aside:
             metadata["thread"], metadata["aside"] = "", "unchanged since its parent"
             return {"thread": self.aside, "metadata": metadata,

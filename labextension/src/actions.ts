@@ -53,13 +53,16 @@ export interface IInfinijupSettings {
   confirmRestore: boolean;
   collapseRuns: boolean;
   collapseMinRun: number;
+  /** Kernels' automatic snapshots: the server's setting, or on, or off. */
+  autosnapshot: 'server' | 'on' | 'off';
 }
 
 export const DEFAULT_SETTINGS: IInfinijupSettings = {
   askMessage: false,
   confirmRestore: true,
   collapseRuns: true,
-  collapseMinRun: 10
+  collapseMinRun: 10,
+  autosnapshot: 'server'
 };
 
 /** The kernel a notebook must run to be snapshotted. */

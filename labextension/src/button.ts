@@ -1,13 +1,15 @@
 /**
- * The Snapshot button of the notebook toolbar, shown for kernels managed by
- * Infinijup only.
+ * The Snapshot and Undo buttons of the notebook toolbar, shown for kernels
+ * managed by Infinijup only.
  */
 
 import type { DocumentRegistry } from '@jupyterlab/docregistry';
 import type { INotebookModel, NotebookPanel } from '@jupyterlab/notebook';
-import { ToolbarButton } from '@jupyterlab/ui-components';
+import type { Kernel } from '@jupyterlab/services';
+import { ToolbarButton, undoIcon } from '@jupyterlab/ui-components';
 import type { CommandRegistry } from '@lumino/commands';
 import { DisposableDelegate, IDisposable } from '@lumino/disposable';
+import type { ISignal } from '@lumino/signaling';
 
 import type { InfinijupActions } from './actions';
 import { CommandIDs } from './commandids';
@@ -59,6 +61,51 @@ export class SnapshotButtonExtension implements DocumentRegistry.IWidgetExtensio
       panel.sessionContext.statusChanged.disconnect(update);
       actions.managed.changed.disconnect(update);
       actions.busyChanged.disconnect(update);
+      button.dispose();
+    });
+  }
+}
+
+/** The Undo button of the notebook toolbar, after Snapshot, for managed kernels only. */
+export class UndoButtonExtension implements DocumentRegistry.IWidgetExtension<
+  NotebookPanel,
+  INotebookModel
+> {
+  constructor(
+    private readonly _commands: CommandRegistry,
+    private readonly _isManaged: (kernel: Kernel.IKernelConnection) => boolean,
+    private readonly _managedChanged: ISignal<unknown, unknown>
+  ) {}
+
+  createNew(panel: NotebookPanel): IDisposable {
+    const button = new ToolbarButton({
+      className: 'jp-Infinijup-undoButton',
+      icon: undoIcon,
+      tooltip:
+        'Undo the last cell: the kernel goes back to its state before it (Ctrl+Alt+Z; Redo: Ctrl+Alt+Shift+Z)',
+      onClick: () => {
+        void this._commands.execute(CommandIDs.undo, { notebookId: panel.id });
+      }
+    });
+    button.node.dataset.command = CommandIDs.undo;
+    const update = () => {
+      if (button.isDisposed) {
+        return;
+      }
+      const kernel = panel.sessionContext.session?.kernel;
+      button.setHidden(!kernel || !this._isManaged(kernel));
+    };
+    if (
+      !panel.toolbar.insertAfter('infinijup-snapshot', 'infinijup-undo', button)
+    ) {
+      panel.toolbar.addItem('infinijup-undo', button);
+    }
+    update();
+    panel.sessionContext.kernelChanged.connect(update);
+    this._managedChanged.connect(update);
+    return new DisposableDelegate(() => {
+      panel.sessionContext.kernelChanged.disconnect(update);
+      this._managedChanged.disconnect(update);
       button.dispose();
     });
   }

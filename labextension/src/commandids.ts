@@ -10,4 +10,6 @@ export namespace CommandIDs {
   export const refresh = 'infinijup:refresh-history';
   export const toggleCollapse = 'infinijup:toggle-collapse';
   export const hibernate = 'infinijup:hibernate';
+  export const undo = 'infinijup:undo';
+  export const redo = 'infinijup:redo';
 }

@@ -26,7 +26,7 @@ import {
   InfinijupActions,
   sessionPath
 } from './actions';
-import { SnapshotButtonExtension } from './button';
+import { SnapshotButtonExtension, UndoButtonExtension } from './button';
 import { CommandIDs } from './commandids';
 import { asRequestError } from './errors';
 import { shortId } from './format';
@@ -42,6 +42,7 @@ import { RestActions } from './restActions';
 import { RestStates } from './restState';
 import { RestClient, RestIndicator, RestToolbarExtension } from './restStatus';
 import { parseOperationEvent } from './types';
+import { UndoActions, UndoClient } from './undo';
 
 export { CommandIDs } from './commandids';
 export * from './types';
@@ -446,8 +447,86 @@ const plugin: JupyterFrontEndPlugin<void> = {
       execute: args => restActions.hibernate(restTarget(args))
     });
 
+    // Undo and redo of cells (issue 30).
+    const undoClient = new UndoClient(serviceManager.serverSettings);
+    const undoActions = new UndoActions(undoClient, notifier);
+    const undoTarget = (args: ReadonlyPartialJSONObject) => {
+      const notebook = actions.notebook(args.notebookId);
+      const kernel = actions.kernelOf(notebook);
+      return notebook && kernel && managed.isManaged(kernel)
+        ? {
+            kernelId: kernel.id,
+            label: PathExt.basename(notebook.context.path)
+          }
+        : null;
+    };
+    commands.addCommand(CommandIDs.undo, {
+      label: 'Undo Last Cell',
+      caption:
+        'Bring the kernel back to its state before the last cell that changed it (Redo returns)',
+      isEnabled: args => {
+        const t = undoTarget(args);
+        return !!t && !undoActions.isBusy(t.kernelId);
+      },
+      execute: async args => {
+        const t = undoTarget(args);
+        if (t) {
+          await undoActions.undo(t.kernelId, t.label);
+          model.scheduleRefresh();
+        }
+      }
+    });
+    commands.addCommand(CommandIDs.redo, {
+      label: 'Redo Cell',
+      caption: 'Return to where the last Undo left',
+      isEnabled: args => {
+        const t = undoTarget(args);
+        return !!t && !undoActions.isBusy(t.kernelId);
+      },
+      execute: async args => {
+        const t = undoTarget(args);
+        if (t) {
+          await undoActions.redo(t.kernelId, t.label);
+          model.scheduleRefresh();
+        }
+      }
+    });
+    undoActions.changed.connect(refreshCommands);
+    app.docRegistry.addWidgetExtension(
+      'Notebook',
+      new UndoButtonExtension(
+        commands,
+        kernel => managed.isManaged(kernel),
+        managed.changed
+      )
+    );
+    // The setting "Automatic snapshots": each managed kernel is told once it is known.
+    const autosnapshotTold = new Set<string>();
+    const tellAutosnapshot = (force = false) => {
+      if (settings.autosnapshot === 'server') {
+        return;
+      }
+      const on = settings.autosnapshot === 'on';
+      tracker.forEach(panel => {
+        const kernel = actions.kernelOf(panel);
+        if (!kernel || !managed.isManaged(kernel)) {
+          return;
+        }
+        if (!force && autosnapshotTold.has(kernel.id)) {
+          return;
+        }
+        autosnapshotTold.add(kernel.id);
+        undoClient.autosnapshot(kernel.id, on).catch(reason => {
+          console.warn('Infinijup: automatic snapshots not set', reason);
+        });
+      });
+    };
+    managed.changed.connect(() => tellAutosnapshot());
+
     if (palette) {
       for (const command of [
+        CommandIDs.undo,
+        CommandIDs.redo,
         CommandIDs.hibernate,
         CommandIDs.snapshot,
         CommandIDs.restore,
@@ -471,6 +550,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
       settings = { ...DEFAULT_SETTINGS, ...(s.composite as any) };
       model.collapse = settings.collapseRuns;
       model.minRun = settings.collapseMinRun;
+      tellAutosnapshot(true);
     };
     if (settingRegistry) {
       settingRegistry

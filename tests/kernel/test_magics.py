@@ -30,7 +30,8 @@ def test_magic_names_are_apart_from_ipythons():
     builtin = json.loads(out.stdout.strip().splitlines()[-1])
     assert {"history", "hist", "store", "reset"} <= set(builtin["line"])  # the listing works
     ours = InfinijupMagics.magics
-    assert set(ours["line"]) == {"snapshot", "restore", "snapshots", "branch", "hibernate", "sidecar"}
+    assert set(ours["line"]) == {"snapshot", "restore", "snapshots", "branch", "hibernate", "sidecar",
+                                  "autosnapshot", "undo", "redo"}
     assert not set(ours["line"]) & set(builtin["line"])
     assert not set(ours["cell"]) & set(builtin["cell"])
 
@@ -173,7 +174,8 @@ async def test_ipythons_history_is_ipythons(notebook, tmp_path):
         "__import__('json').dumps({name: sorted(m.magics['line']) for name, m in "
         "get_ipython().magics_manager.registry.items()})"))
     ours = set(registry.pop("InfinijupMagics"))
-    assert ours == {"snapshot", "restore", "snapshots", "branch", "hibernate", "sidecar"}
+    assert ours == {"snapshot", "restore", "snapshots", "branch", "hibernate", "sidecar",
+                                  "autosnapshot", "undo", "redo"}
     assert not ours & set().union(*map(set, registry.values()))
     out = await nb.execute("%snapshots")
     assert out["stdout"].startswith("(no snapshots yet")

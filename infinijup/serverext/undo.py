@@ -1,0 +1,107 @@
+"""Undo and redo of cells (issue 30), on the snapshots the kernel already has.
+
+Undo brings the kernel back to the state before the last cell that changed it: the newest
+snapshot (automatic or not) taken before that cell ran. Nothing is lost on the way:
+
+* a kernel changed since the snapshot it stands on (HEAD) is snapshotted first (marked
+  automatic, "before undo"), so the state being left is kept; it becomes where a redo goes, and
+  the undo goes to HEAD: the cells since were too quick to snapshot, and all of them go;
+* a kernel unchanged since HEAD goes to HEAD's parent, and a redo returns to HEAD.
+
+Each undo pushes where it came from on the kernel's redo list; redo pops it (saving the state
+it leaves in the same way), and an undo after a redo goes on from there. Going back to an older
+snapshot is a restore like any other: the next snapshot starts a new thread (a branch), so the
+path undone stays in the history.
+
+An undo or redo asked for by the kernel itself (``%undo``) runs once the asking cell is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from ..errors import Conflict, InfinijupError
+from . import snapshot_flow
+
+
+class UndoRedo:
+    def __init__(self, manager) -> None:  # noqa: ANN001 - SnapshotManager
+        self.m = manager
+        self.redo_lists: dict[str, list[str]] = {}  # kernel id -> commits to go back to
+
+    async def undo(self, kernel_id: str, from_kernel: bool = False) -> dict:
+        return await self._run(kernel_id, "undo", from_kernel)
+
+    async def redo(self, kernel_id: str, from_kernel: bool = False) -> dict:
+        return await self._run(kernel_id, "redo", from_kernel)
+
+    def forget(self, kernel_id: str) -> None:
+        self.redo_lists.pop(kernel_id, None)
+
+    async def _run(self, kernel_id: str, what: str, from_kernel: bool) -> dict:
+        m = self.m
+        km = m.kernel(kernel_id)
+        m.provisioner(km)
+        if what == "undo" and m.heads.get(kernel_id).commit is None:
+            raise Conflict("nothing to undo: this kernel stands on no snapshot (take one, or "
+                           "turn automatic snapshots on)", reason="nothing_to_undo")
+        if what == "redo" and not self.redo_lists.get(kernel_id):
+            raise Conflict("nothing to redo", reason="nothing_to_redo")
+        if not from_kernel:
+            return await self._now(kernel_id, what)
+
+        async def later() -> None:  # once the cell that asked has ended
+            await asyncio.sleep(0.05)
+            try:
+                await m.wait_idle(km)
+                await self._now(kernel_id, what)
+            except InfinijupError as exc:
+                m.log.warning("infinijup: %%%s of %s failed: %s", what, kernel_id, exc.message)
+
+        m.spawn(later())
+        return {"kernel_id": kernel_id, "says": what.capitalize()}
+
+    async def _now(self, kernel_id: str, what: str) -> dict:
+        m = self.m
+        km = m.kernel(kernel_id)
+        await m.wait_idle(km)
+        saved = await snapshot_flow.snapshot(m, kernel_id, message=f"before {what}",
+                                             skip_unchanged=True, auto=True)
+        here = saved["commit"]  # the state being left: HEAD, or the snapshot just taken
+        repo = m.repo()
+        if what == "redo":
+            target = self.redo_lists[kernel_id].pop()
+        else:
+            # unchanged: HEAD's parent; changed: the snapshot just taken stands on HEAD, and
+            # the cells since HEAD (too quick to snapshot) all go
+            parents = repo.get_commit(here).parents
+            if not parents:
+                raise Conflict("nothing to undo: the kernel is at the first snapshot of its "
+                               "history", reason="nothing_to_undo")
+            target = parents[0]
+        result = await m.restore_keeping_settings(kernel_id, target)
+        if what == "undo":
+            self.redo_lists.setdefault(kernel_id, []).append(here)
+        says = describe_move(what, _cell(repo, here), _cell(repo, target))
+        return {**result, "from": here, "saved": not saved.get("unchanged"), "says": says}
+
+
+def _cell(repo, commit_id: str) -> tuple[int | None, str]:  # noqa: ANN001
+    meta = repo.get_commit(commit_id).metadata or {}
+    cell = meta.get("cell") or {}
+    count = cell.get("execution_count")
+    return (count if isinstance(count, int) else None, str(cell.get("source") or ""))
+
+
+def describe_move(what: str, here: tuple[int | None, str], there: tuple[int | None, str]) -> str:
+    """"Back to after [11] df = load()", "3 cells back, to after [11] …: cells [12]-[13] were
+    too quick to snapshot", "Redone: after [14] …"."""
+    (h, _), (t, source) = here, there
+    after = f"after [{t}] {source}".rstrip() if t is not None else "a snapshot with no cell"
+    if what == "redo":
+        return f"Redone: back to {after}"
+    if h is None or t is None or h - t <= 1:
+        return f"Back to {after}"
+    n = h - t
+    quick = f"cell [{t + 1}] was" if n == 2 else f"cells [{t + 1}]-[{h - 1}] were"
+    return f"{n} cells back, to {after}: {quick} too quick to snapshot"

@@ -1,0 +1,116 @@
+"""Automatic snapshots and Undo (issue 30) against a real Jupyter server, helper and CRIU.
+
+The server's rule is set so that time alone decides (no test depends on how fast this machine
+is): a cell of at least 1 s is always snapshotted (``autosnapshot_after_s``), and the share is
+so small that no quicker cell ever is. A slow cell is ``time.sleep(1.1)`` plus its work.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from kernelkit import needs_helper
+
+pytestmark = [needs_helper, pytest.mark.timeout(300)]
+
+SLOW = "time.sleep(1.1)\n"
+
+
+@pytest.fixture
+def jp_server_config(jp_server_config):
+    manager = {**jp_server_config["SnapshotManager"], "autosnapshot": True,
+               "autosnapshot_after_s": 1.0, "autosnapshot_share": 1e-6}
+    return {**jp_server_config, "SnapshotManager": manager}
+
+
+async def history(nb) -> list[dict]:
+    r = await nb.fetch("infinijup", "history", params={"kernel_id": nb.kernel_id})
+    return json.loads(r.body)["commits"]
+
+
+def cell_of(commit: dict) -> int | None:
+    return ((commit.get("metadata") or {}).get("cell") or {}).get("execution_count")
+
+
+async def run(nb, code: str) -> int:
+    """Run a cell; its execution count."""
+    return (await nb.execute(code))["reply"]["execution_count"]
+
+
+async def test_the_rule_decides_which_cells_are_snapshotted(notebook):
+    nb = notebook
+    await nb.execute("import time")
+    slow = await run(nb, SLOW + "x = 1")  # slow, changes x: snapshotted
+    prints = await run(nb, SLOW + "print('only prints')")  # slow, changes nothing: not
+    await nb.execute("%autosnapshot status")  # (the kernel's own magics count as no cell)
+    out = await nb.execute("%autosnapshot status")
+    assert "Last cell: the cell changed no variable" in out["stdout"], out["stdout"]
+    quick = await run(nb, "x = 2")  # quick: not
+    commits = await history(nb)
+    auto = {cell_of(c) for c in commits if (c.get("metadata") or {}).get("auto")}
+    assert slow in auto
+    assert quick not in auto and prints not in auto
+    assert "Automatic snapshots are on" in out["stdout"]
+    r = await nb.post("autosnapshot", {"kernel_id": nb.kernel_id, "on": False})  # Lab's switch
+    assert r.code == 200 and json.loads(r.body)["on"] is False, r.body
+    await nb.execute(SLOW + "x = 5")
+    assert len(await history(nb)) == len(commits)  # off: nothing more
+
+
+async def test_undo_three_times_and_redo(notebook, tmp_path):
+    """Each undo: the values, the RNG's next draw and an open file's position of that state."""
+    nb = notebook
+    data = tmp_path / "data.txt"
+    data.write_text("abcdefghij")
+    await nb.execute("import time, random")
+    await nb.execute(SLOW + f"x = 1\nf = open({str(data)!r})\nf.read(3)\nrandom.seed(5)")
+    c2 = await run(nb, SLOW + "x = 2\nf.read(2)\nr2 = random.random()")
+    c3 = await run(nb, SLOW + "x = 3\nf.read(1)")
+    await nb.execute("x = 4\nf.read(1)")  # quick: no snapshot of it
+
+    async def state() -> tuple:
+        return (await nb.value("x"), await nb.value("f.tell()"))
+
+    async def post(what: str) -> dict:
+        r = await nb.post(what, {"kernel_id": nb.kernel_id})
+        assert r.code == 200, r.body
+        return json.loads(r.body)
+
+    first = await post("undo")  # the kernel changed since its last snapshot: saved, then back
+    assert first["saved"] is True
+    assert first["says"] == f"Back to after [{c3}] time.sleep(1.1)", first
+    assert await state() == (3, 6)
+    second = await post("undo")
+    assert await state() == (2, 5)
+    assert second["says"] == f"Back to after [{c2}] time.sleep(1.1)", second
+    await post("undo")
+    assert await state() == (1, 3)
+    # the RNG goes on from where it was then: seeded, nothing drawn yet
+    assert await nb.value("random.random()") == random.Random(5).random()
+    await post("redo")
+    assert await state() == (2, 5)
+    assert await nb.value("r2") == random.Random(5).random()
+    # automatic snapshots stayed on through the restores (the snapshots had them on too, but
+    # a kernel turned off meanwhile stays off: below)
+    await nb.execute("%autosnapshot off")
+    await post("undo")
+    out = await nb.execute("%autosnapshot status")
+    assert "Automatic snapshots are off" in out["stdout"], out["stdout"]
+    # nothing was lost: the state undone first is still in the history
+    commits = await history(nb)
+    assert any(c["id"] == first["from"] for c in commits)
+
+
+async def test_undo_refuses_with_nothing_to_undo(notebook):
+    nb = notebook
+    await nb.execute("%autosnapshot off")
+    r = await nb.post("undo", {"kernel_id": nb.kernel_id})
+    assert r.code == 409, r.body
+    assert json.loads(r.body)["reason"] == "nothing_to_undo"
+    r = await nb.post("redo", {"kernel_id": nb.kernel_id})
+    assert r.code == 409 and json.loads(r.body)["reason"] == "nothing_to_redo"
+    msg = nb.send_execute("%undo")
+    out = await nb.collect(msg)
+    assert out["error"] and "nothing to undo" in out["error"], out
