@@ -305,6 +305,9 @@ export class GraphView extends Widget {
             c.stats.gpu_bytes ?? 0
           )})">GPU</span>`
         : '';
+      const autoChip = c.metadata?.auto
+        ? '<span class="jp-Infinijup-chip jp-Infinijup-chip-auto" title="Taken automatically after this cell (Undo goes back through these)">auto</span>'
+        : '';
       const kind = c.message
         ? ''
         : cellLabel(c)
@@ -317,7 +320,7 @@ export class GraphView extends Widget {
         `<span class="jp-Infinijup-row-message${kind}">${esc(commitTitle(c))}</span></div>` +
         `<div class="jp-Infinijup-row-meta"><code class="jp-Infinijup-id">${shortId(
           c.id
-        )}</code>${gpuChip}<span class="jp-Infinijup-age" title="${esc(
+        )}</code>${gpuChip}${autoChip}<span class="jp-Infinijup-age" title="${esc(
           `${formatDate(c.created)} (${formatAge(c.created)})`
         )}">${esc(formatAgeShort(c.created))}</span><span class="jp-Infinijup-size" title="Stored ${formatBytes(
           c.stats.stored_bytes

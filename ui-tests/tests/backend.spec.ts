@@ -722,3 +722,39 @@ async function restoreFromPanel(page: IJupyterLabPageFixture, shortId: string) {
     timeout: OP_TIMEOUT
   });
 }
+
+/** Issue 30: Undo and Redo of cells against the real backend. */
+test.describe('Undo @backend', () => {
+  test('the Undo button goes back before the last cell; Redo returns', async ({
+    page,
+    tmpPath
+  }, testInfo) => {
+    test.setTimeout(4 * OP_TIMEOUT);
+    await infinijupNotebook(page, tmpPath, 'undo');
+    expect(await run(page, 'x = 1\nx')).toBe('1');
+    await snapshot(page);
+    expect(await run(page, 'x = 2\nx')).toBe('2');
+    const undo = page.locator(
+      '.jp-NotebookPanel:not(.lm-mod-hidden) [data-jp-item-name="infinijup-undo"]'
+    );
+    await expect(undo).toBeVisible();
+    await undo.click();
+    // The kernel changed since its snapshot: that state is saved, then the
+    // kernel goes back to the snapshot, and the notification says where.
+    const done = toasts(page).filter({ hasText: 'Redo brings it back' });
+    await expect(done).toContainText('Back to after [1] x = 1', {
+      timeout: OP_TIMEOUT
+    });
+    await screenshot(page, testInfo, 'undo-toast', {
+      clip: { x: 700, y: 0, width: 700, height: 900 }
+    });
+    expect(await run(page, 'print(x)')).toBe('1');
+    await page.evaluate(() =>
+      (window as any).jupyterapp.commands.execute('infinijup:redo')
+    );
+    await expect(
+      toasts(page).filter({ hasText: 'Redone: back to after' })
+    ).toBeVisible({ timeout: OP_TIMEOUT });
+    expect(await run(page, 'print(x)')).toBe('2');
+  });
+});
