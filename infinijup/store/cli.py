@@ -15,11 +15,18 @@ gc, and drop the hot tier's copies of the snapshots that left the store. A runni
 HEAD is known only to its server: delete from the panel (or stop the server) when kernels run.
 ``stats`` shows the store's size and the hot tier's. The hot tier is ``$INFINIJUP_HOT_TIER``, or
 ``hot/`` in this user's directory of the helper's work dir (``--hot-tier`` to name it).
+
+Remotes are encrypted (remote_repo.py, keys.py): ``key init REMOTE`` makes an empty one
+encrypted, ``key add|list|remove|passwd REMOTE`` manage its key slots. The key comes from
+``--password-file`` / ``--key-file``, else ``$INFINIJUP_STORE_PASSWORD_FILE`` /
+``$INFINIJUP_STORE_KEY_FILE``, else a prompt when stdin is a terminal. ``push`` to a remote
+without encryption needs ``--unencrypted`` (or ``$INFINIJUP_REMOTE_UNENCRYPTED=1``).
 """
 
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
 import os
 import sys
@@ -32,7 +39,9 @@ from infinijup.errors import InfinijupError
 
 from . import hot_dir
 from .check import check
+from .errors import RemoteKeyError, RemoteKeyRequired
 from .gc import gc
+from .keys import KEY_FILE_ENV, PASSWORD_FILE_ENV, UNENCRYPTED_ENV, Credentials
 from .objects import Commit
 from .rebuild import rebuild_index
 from .remote_only import remote_only
@@ -103,18 +112,54 @@ def _configure(p: argparse.ArgumentParser) -> None:
                    help="sizes and counts (the store's and the hot tier's size first)")
     sub.add_parser("rebuild-index", parents=[common],
                    help="rebuild the index from packs and commits")
-    push = sub.add_parser("push", parents=[common],
+    key = argparse.ArgumentParser(add_help=False)
+    key.add_argument("--password-file", metavar="FILE", default=None,
+                     help=f"the remote's password, in a file (default: ${PASSWORD_FILE_ENV})")
+    key.add_argument("--key-file", metavar="FILE", default=None,
+                     help=f"the remote's key file (default: ${KEY_FILE_ENV})")
+    clear = argparse.ArgumentParser(add_help=False)
+    clear.add_argument("--unencrypted", action="store_true", default=None,
+                       help="allow a remote without encryption: whoever can read the bucket "
+                            f"reads the snapshots (default: ${UNENCRYPTED_ENV}=1)")
+    push = sub.add_parser("push", parents=[common, key, clear],
                           help="send threads to a remote store (s3://bucket/prefix)")
     push.add_argument("remote", help="s3://bucket/prefix (endpoint: $INFINIJUP_S3_ENDPOINT)")
     push.add_argument("threads", nargs="*", help="threads to push (default: all)")
-    pull = sub.add_parser("pull", parents=[common],
+    pull = sub.add_parser("pull", parents=[common, key, clear],
                           help="fetch a thread or commit (and its history) from a remote")
     pull.add_argument("remote", help="s3://bucket/prefix")
     pull.add_argument("ref", help="a thread of the remote, or a full commit id")
-    clone = sub.add_parser("clone", parents=[common],
+    clone = sub.add_parser("clone", parents=[common, key, clear],
                            help="create a store from every thread of a remote")
     clone.add_argument("remote", help="s3://bucket/prefix")
     clone.add_argument("path", nargs="?", help="new store (default: --store or the default)")
+    keys = sub.add_parser("key", help="the keys of an encrypted remote",
+                          description="Manage the key slots of an encrypted remote: each "
+                                      "slot (a password or a key file) opens the same master "
+                                      "key. Lose them all and the data cannot be read.")
+    ksub = keys.add_subparsers(dest="key_command", metavar="KEY_COMMAND")
+    ksub.required = True
+    new = argparse.ArgumentParser(add_help=False)
+    new.add_argument("--new-password-file", metavar="FILE", default=None,
+                     help="the new slot's password, in a file (default: prompt)")
+    new.add_argument("--new-key-file", metavar="FILE", default=None,
+                     help="a key file for the new slot (created if absent)")
+    new.add_argument("--label", default="", help="a note shown by `key list` (stored in "
+                                                 "the clear)")
+    init = ksub.add_parser("init", parents=[key],
+                           help="make an empty remote encrypted (its first key slot)")
+    init.add_argument("remote", help="s3://bucket/prefix")
+    init.add_argument("--label", default="", help="a note shown by `key list` (in the clear)")
+    for name, what in (("add", "add a key slot"), ("passwd", "replace the slot that opens "
+                                                             "the remote by a new one")):
+        k = ksub.add_parser(name, parents=[key, new], help=what)
+        k.add_argument("remote", help="s3://bucket/prefix")
+    k = ksub.add_parser("list", parents=[key], help="list the key slots")
+    k.add_argument("remote", help="s3://bucket/prefix")
+    k = ksub.add_parser("remove", parents=[key],
+                        help="remove a key slot (not the one used, not the last)")
+    k.add_argument("remote", help="s3://bucket/prefix")
+    k.add_argument("slot", help="the slot's id, as `key list` shows it")
     p.set_defaults(func=run)  # what ``infinijup``'s main calls for ``infinijup store ...``
 
 
@@ -123,7 +168,9 @@ def run(args: argparse.Namespace) -> int:
     path = args.store or default_store_path()
     try:
         if args.store_command == "clone":
-            return _clone(args.remote, args.path or path)
+            return _clone(args.remote, args.path or path, args)
+        if args.store_command == "key":
+            return _key(args)
         repo = Repository.open(path)
         try:
             return _COMMANDS[args.store_command](repo, args)
@@ -331,9 +378,51 @@ def _rebuild(repo: Repository, args: argparse.Namespace) -> int:
     return 0
 
 
+def _creds(args: argparse.Namespace, *, prompt: bool = False) -> Credentials:
+    """The key from the options, else the environment; with ``prompt``, else a password
+    typed at the terminal (when there is one)."""
+    env = Credentials.from_env()
+    password_file = getattr(args, "password_file", None)
+    key_file = getattr(args, "key_file", None)
+    unencrypted = bool(getattr(args, "unencrypted", None)) or env.unencrypted
+    if password_file or key_file:
+        return Credentials.build(password_file=password_file, key_file=key_file,
+                                 unencrypted=unencrypted)
+    if env.has_key or not prompt or not sys.stdin.isatty():
+        return Credentials(env.password, env.key_file, unencrypted)
+    return Credentials(_ask(f"password for {args.remote}: "), None, unencrypted)
+
+
+def _ask(question: str, twice: bool = False) -> bytes:
+    text = getpass.getpass(question)
+    if twice and getpass.getpass("again: ") != text:
+        raise RemoteKeyError("the two passwords differ")
+    if not text:
+        raise RemoteKeyError("an empty password is not a key")
+    return text.encode()
+
+
+def _open(args: argparse.Namespace) -> Any:
+    """The remote of ``args``, opened (asking for a password if it needs one and none was
+    given, at a terminal)."""
+    from .remote_repo import open_remote
+    try:
+        return open_remote(args.remote, _creds(args))
+    except RemoteKeyRequired:
+        if not sys.stdin.isatty():
+            raise
+        return open_remote(args.remote, _creds(args, prompt=True))
+
+
 def _push(repo: Repository, args: argparse.Namespace) -> int:
     from .remote import push
-    r = push(repo, args.remote, args.threads)
+    remote = _open(args)
+    remote.check_push_allowed()
+    if not remote.encrypted:
+        print(f"warning: pushing to {remote.url} WITHOUT encryption (--unencrypted): whoever "
+              "can read the bucket can read these snapshots, the kernels' memory included",
+              file=sys.stderr)
+    r = push(repo, remote, args.threads)
     print(f"uploaded {r.packs_uploaded} packs ({_human(r.bytes_uploaded)}, "
           f"{r.bytes_uploaded} bytes), {r.commits_uploaded} commits; "
           f"{r.packs_present} needed packs were there already")
@@ -344,13 +433,13 @@ def _push(repo: Repository, args: argparse.Namespace) -> int:
 
 def _pull(repo: Repository, args: argparse.Namespace) -> int:
     from .remote import pull
-    _print_pull(pull(repo, args.remote, args.ref))
+    _print_pull(pull(repo, _open(args), args.ref))
     return 0
 
 
-def _clone(remote: str, path: Any) -> int:
+def _clone(remote: str, path: Any, args: argparse.Namespace) -> int:
     from .remote import clone
-    repo, reports = clone(remote, path)
+    repo, reports = clone(_open(args), path)
     repo.close()
     for r in reports:
         _print_pull(r)
@@ -362,6 +451,55 @@ def _print_pull(r: Any) -> None:
           f"({_human(r.bytes_downloaded)}, {r.bytes_downloaded} bytes), kept "
           f"{r.packs_resumed} from an interrupted pull, {r.commits_fetched} commits"
           + (f"; thread {r.thread} -> {r.commit[:12]}" if r.thread else ""))
+
+
+def _new_creds(args: argparse.Namespace) -> Credentials:
+    if args.new_password_file or args.new_key_file:
+        return Credentials.build(password_file=args.new_password_file,
+                                 key_file=args.new_key_file)
+    if not sys.stdin.isatty():
+        raise RemoteKeyError("give the new key: --new-password-file or --new-key-file")
+    return Credentials(_ask("new password: ", twice=True))
+
+
+def _key(args: argparse.Namespace) -> int:
+    from . import keys
+    from .s3 import S3Bucket
+
+    cmd = args.key_command
+    if cmd == "init":
+        creds = _creds(args)
+        if not creds.has_key:
+            if not sys.stdin.isatty():
+                raise RemoteKeyError("give the first key: --password-file or --key-file "
+                                     f"(or ${PASSWORD_FILE_ENV} / ${KEY_FILE_ENV})")
+            creds = Credentials(_ask("new password: ", twice=True))
+        bucket = S3Bucket(args.remote)
+        bucket.check_bucket()
+        opened = keys.init_remote(bucket, creds, label=args.label)
+        print(f"{bucket.url} is encrypted now (repository {opened.repo_id}); key slot "
+              f"{opened.slot} opens it. Keep the password or key file: without one, the "
+              "data pushed there cannot be read by anyone")
+        return 0
+    remote = _open(args)
+    if not remote.encrypted:
+        raise RemoteKeyError(f"{remote.url} is not encrypted: it has no keys")
+    opened = remote.unlocked
+    if cmd == "list":
+        for s in keys.list_slots(remote.bucket):
+            mark = "*" if s.id == opened.slot else " "
+            print(f"{mark} {s.id}  {s.type:<8}  {_fmt_time(s.created)}  {s.label}")
+    elif cmd == "add":
+        slot = keys.add_slot(remote.bucket, opened.master, bytes.fromhex(opened.repo_id),
+                             _new_creds(args), label=args.label)
+        print(f"added key slot {slot}")
+    elif cmd == "passwd":
+        slot = keys.change_password(remote.bucket, opened, _new_creds(args), label=args.label)
+        print(f"key slot {opened.slot} replaced by {slot}")
+    else:
+        keys.remove_slot(remote.bucket, args.slot, opened.slot)
+        print(f"removed key slot {args.slot}")
+    return 0
 
 
 _COMMANDS = {"log": _log, "threads": _threads, "show": _show, "check": _check, "gc": _gc,

@@ -146,3 +146,39 @@ class RemoteConflict(RemoteError, RefConflict):
 
     reason = "remote_conflict"
     http_status = 409
+
+
+class RemoteKeyRequired(RemoteError, PermissionDenied):
+    """The remote is encrypted and no key (password or key file) was given."""
+
+    reason = "remote_key_required"
+    http_status = 403
+
+
+class RemoteWrongKey(RemoteError, PermissionDenied):
+    """No key slot of the encrypted remote opens with the password or key file given."""
+
+    reason = "remote_wrong_key"
+    http_status = 403
+
+
+class RemoteNotEncrypted(RemoteError, BadRequest):
+    """A push to a remote without encryption was not asked for explicitly, or a key was given
+    for a remote that is not encrypted."""
+
+    reason = "remote_not_encrypted"
+    http_status = 400
+
+
+class RemoteKeyError(RemoteError, BadRequest):
+    """A key-slot command was refused (unknown slot, the last one, the one in use, ...)."""
+
+    reason = "remote_key_error"
+    http_status = 400
+
+
+class RemoteReplayed(RemoteCorrupt):
+    """A thread's ref on the remote is older than one this store already saw there: an old
+    ref put back (replayed or rolled back)."""
+
+    reason = "remote_replayed"

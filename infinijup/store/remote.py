@@ -1,22 +1,30 @@
 """Push, pull and clone a store to and from an S3 bucket (a *remote*).
 
-Layout under ``s3://bucket/prefix/``::
+Layout under ``s3://bucket/prefix/`` (remote_repo.py names and seals each object)::
 
-    packs/<xx>/<pack id>         pack files, byte-identical to local ones (packs.py)
-    commits/<xx>/<commit id>     commit objects (canonical JSON; the id is their BLAKE3)
-    manifests/<xx>/<commit id>   JSON list of the packs holding every object of its tree
-    refs/<quoted thread>         the thread's tip commit id
+    config, keys/<slot id>       an encrypted remote's id and key slots (keys.py)
+    packs/<xx>/<name>            pack files, the local ones sealed (packs.py, crypto.py)
+    commits/<xx>/<name>          commit objects (canonical JSON; the id is their BLAKE3)
+    manifests/<xx>/<name>        JSON list of the packs holding every object of its tree
+    refs/<name>                  the thread's tip commit id (and a sequence number)
 
-Everything but refs is content-addressed and written once, so only what the remote lacks
-moves: a push after a small change uploads the packs of the new commit, not the image.
+``<name>`` is the keyed BLAKE3 of the pack's, commit's or thread's plaintext id on an
+encrypted remote, and the plain id on an unencrypted one (which a push needs to be asked
+for: ``Credentials.unencrypted``). Everything but refs is written once under a name that
+depends only on its content, so only what the remote lacks moves: a push after a small
+change uploads the packs of the new commit, not the image.
 A push writes packs -> manifests -> commits -> refs; an interrupted push leaves only
 unreferenced objects, which the next push reuses. A ref moves by compare-and-swap (S3
 conditional writes: ``If-None-Match: *`` to create, ``If-Match: <etag>`` to move), and
 only forward (the remote tip must be in the local history): two machines pushing one
 thread never lose a commit; the loser gets a RemoteConflict naming the thread.
 
+On an encrypted remote, every ref carries a sequence number that each move increments; a
+store notes the highest it saw per remote and thread (``<store>/remote-seen``), and a ref
+older than that (an old ref put back: a replay, a rollback) is refused (RemoteReplayed).
+
 A pull downloads the packs a commit (and its history) needs into ``tmp/pull/`` and
-verifies each one (header checksum and name, every stored object's BLAKE3, page deltas
+verifies each one (authenticated, then header checksum and name, every stored object's BLAKE3, page deltas
 rebuilt from their sources, every chunk of every tree present) before anything becomes
 visible: packs are renamed into ``packs/`` and indexed, then commit files, then the
 thread. A pull killed midway leaves the store as it was plus verified packs in
@@ -33,7 +41,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import urllib.parse
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,17 +57,25 @@ from .errors import (
     RemoteCorrupt,
     RemoteError,
     RemoteNotFound,
+    RemoteReplayed,
     StoreError,
     UnknownRef,
 )
 from .faults import holdpoint
+from .keys import Credentials
 from .lock import FileLock
 from .objects import Commit, decode_blob, decode_commit, decode_tree, hash_bytes, is_hex_id
 from .packs import DELTA, PackEntry, decode_payload, pack_path, read_pack_header
 from .reader import ObjectReader
 from .remote_only import mark_local, remote_only
+from .remote_repo import RemoteRef, RemoteRepo, open_remote
 from .repository import Repository
 from .s3 import PreconditionFailed, S3Bucket
+
+#: A remote as the functions here take it: opened, or a URL opened with ``creds`` (default:
+#: the environment's, keys.py).
+Remote = RemoteRepo | str
+SEEN = "remote-seen"
 
 #: ``progress(packs_done, packs_total, bytes_done)``, called after each downloaded pack.
 PullProgress = Callable[[int, int, int], None]
@@ -89,69 +104,93 @@ class PullReport:
     thread: str | None = None  # the local thread moved to ``commit``
 
 
-# -- keys ----------------------------------------------------------------------------------
+# -- remotes and refs ------------------------------------------------------------------------
 
-def _fan(kind: str, oid: str) -> str:
-    return f"{kind}/{oid[:2]}/{oid}"
-
-
-def _ref_key(thread: str) -> str:
-    return "refs/" + urllib.parse.quote(thread, safe="")
+def _opened(remote: Remote | S3Bucket, creds: Credentials | None = None) -> RemoteRepo:
+    if isinstance(remote, RemoteRepo):
+        return remote
+    return open_remote(str(remote.url) if isinstance(remote, S3Bucket) else remote, creds)
 
 
-def read_remote_ref(remote: S3Bucket, thread: str) -> tuple[str | None, str | None]:
+def read_remote_ref(remote: Remote | S3Bucket, thread: str) -> tuple[str | None, str | None]:
     """(tip, ETag) of ``thread`` on the remote; (None, None) when it does not exist."""
-    got = remote.get(_ref_key(thread))
-    if got is None:
-        return None, None
-    text = got[0].decode(errors="replace").strip()
-    if not is_hex_id(text):
-        raise RemoteCorrupt(f"ref of thread {thread!r} on {remote.url} is damaged")
-    return text, got[1]
+    ref = _opened(remote).read_ref(thread)
+    return ref.tip, ref.etag
 
 
-def remote_threads(remote: S3Bucket) -> list[str]:
+def remote_threads(remote: Remote | S3Bucket) -> list[str]:
     """Every thread name on the remote."""
-    return sorted(urllib.parse.unquote(k[len("refs/"):]) for k in remote.list("refs/"))
+    return _opened(remote).threads()
 
 
-def remote_commits(remote: S3Bucket) -> set[str]:
-    """Every commit id on the remote."""
-    return {k.rsplit("/", 1)[1] for k in remote.list("commits/")}
-
-
-def remote_packs(remote: S3Bucket) -> dict[str, int]:
-    """Every pack on the remote: name -> size."""
-    return {k.rsplit("/", 1)[1]: size for k, size in remote.list("packs/").items()}
-
-
-def read_manifest(remote: S3Bucket, commit_id: str) -> list[str]:
+def read_manifest(remote: Remote, commit_id: str) -> list[str]:
     """The packs holding every object of ``commit_id``'s tree on the remote (RemoteCorrupt
     when the list is missing or damaged)."""
-    return _manifest(remote, commit_id)
+    return _opened(remote).get_manifest(commit_id)
+
+
+def _seen(repo: Repository) -> dict:
+    try:
+        obj = json.loads((repo.path / SEEN).read_bytes())
+        return obj["remotes"] if obj.get("version") == 1 else {}
+    except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError):
+        return {}  # damaged: replays are then caught from the next ref seen on
+
+
+def _check_seen(repo: Repository, remote: RemoteRepo, thread: str, ref: RemoteRef) -> None:
+    """Refuse a ref older than one this store saw on this remote (RemoteReplayed)."""
+    if not remote.encrypted:
+        return
+    seen = _seen(repo).get(remote.id, {}).get(thread)
+    if seen is None:
+        return
+    seq, tip = seen
+    if ref.tip is None or ref.seq < seq or (ref.seq == seq and ref.tip != tip):
+        now = (f"at {ref.tip[:12]} (move {ref.seq})" if ref.tip else "gone")
+        raise RemoteReplayed(
+            f"thread {thread!r} on {remote.url} is {now}, but this store saw it at "
+            f"{tip[:12]} (move {seq}): an old ref was put back (replayed or rolled back); "
+            "refused, nothing changed")
+
+
+def _note_seen(repo: Repository, remote: RemoteRepo, thread: str, seq: int, tip: str) -> None:
+    if not remote.encrypted:
+        return
+    with FileLock(repo.refs_lock_path, timeout=repo.lock_timeout):
+        seen = _seen(repo)
+        old = seen.get(remote.id, {}).get(thread)
+        if old is not None and old[0] >= seq:
+            return
+        seen.setdefault(remote.id, {})[thread] = [seq, tip]
+        body = json.dumps({"version": 1, "remotes": seen}, sort_keys=True).encode() + b"\n"
+        fsutil.atomic_write(repo.path / SEEN, body, tmp_dir=repo.tmp_dir)
 
 
 # -- push ----------------------------------------------------------------------------------
 
-def push(repo: Repository, url: str, threads: Iterable[str] = ()) -> PushReport:
-    """Send ``threads`` (default: every local thread) and what they need to ``url``."""
-    remote = S3Bucket(url)
-    remote.check_bucket()
+def push(repo: Repository, remote: Remote, threads: Iterable[str] = (), *,
+         creds: Credentials | None = None) -> PushReport:
+    """Send ``threads`` (default: every local thread) and what they need to ``remote``
+    (refused for an unencrypted remote unless ``creds.unencrypted``)."""
+    remote = _opened(remote, creds)
+    remote.check_push_allowed()
     local = repo.threads()
     names = list(threads) or sorted(local)
     for name in names:
         if name not in local:
             raise UnknownRef(f"no thread {name!r} in {repo.path}")
     with FileLock(repo.lock_path, shared=True, timeout=repo.lock_timeout):
-        refs = {n: read_remote_ref(remote, n) for n in names}
-        todo = [n for n in names if refs[n][0] != local[n]]
+        refs = {n: remote.read_ref(n) for n in names}
+        for n in names:
+            _check_seen(repo, remote, n, refs[n])
+        todo = [n for n in names if refs[n].tip != local[n]]
         for n in todo:
-            there = refs[n][0]
+            there = refs[n].tip
             if there is not None and there not in _ancestors(repo, local[n]):
                 raise RemoteConflict(
                     f"thread {n!r} on {remote.url} is at {there[:12]}, which is not in the "
                     f"local history of {local[n][:12]}: pull it first, or push another thread")
-        on_remote = remote_commits(remote)
+        on_remote = remote.commits_present(repo.index.commit_ids())
         commits = _commits_to_push(repo, [local[n] for n in todo], on_remote)
         elsewhere = remote_only(repo)
         for c in commits:
@@ -161,35 +200,37 @@ def push(repo: Repository, url: str, threads: Iterable[str] = ()) -> PushReport:
                                   f"{elsewhere[c.id]} {c.id}` first, then push")
         manifests = {c.id: _packs_of(repo, c.tree) for c in commits}
         needed = set().union(*manifests.values()) if manifests else set()
-        have = set(remote_packs(remote))
+        have = set(remote.present_packs(needed))
         sent = sent_bytes = 0
         for pack in sorted(needed - have):
-            path = pack_path(repo.packs_dir, pack)
-            remote.upload(_fan("packs", pack), path)
-            sent, sent_bytes = sent + 1, sent_bytes + path.stat().st_size
+            sent_bytes += remote.upload_pack(pack, pack_path(repo.packs_dir, pack))
+            sent += 1
             holdpoint("remote_push_after_pack")
         for c in commits:  # parents first: a commit on the remote has its history there
-            remote.put(_fan("manifests", c.id), json.dumps(manifests[c.id]).encode())
-            remote.put(_fan("commits", c.id), _commit_body(repo, c.id))
+            remote.put_manifest(c.id, manifests[c.id])
+            remote.put_commit(c.id, _commit_body(repo, c.id))
         holdpoint("remote_push_before_ref")
         for n in todo:
-            _move_remote_ref(remote, n, local[n], refs[n][1])
+            _move_remote_ref(repo, remote, n, local[n], refs[n])
     return PushReport(sent, sent_bytes, len(needed & have), len(commits),
                       {n: local[n] for n in names})
 
 
-def _move_remote_ref(remote: S3Bucket, thread: str, tip: str, etag: str | None) -> None:
+def _move_remote_ref(repo: Repository, remote: RemoteRepo, thread: str, tip: str,
+                     ref: RemoteRef) -> None:
     try:
-        remote.put(_ref_key(thread), (tip + "\n").encode(), if_match=etag,
-                   if_absent=etag is None)
+        remote.write_ref(thread, tip, ref.seq + 1, ref.etag)
     except PreconditionFailed:
-        now, _ = read_remote_ref(remote, thread)
+        again = remote.read_ref(thread)
+        now = again.tip
         if now == tip:
+            _note_seen(repo, remote, thread, again.seq, tip)
             return
         raise RemoteConflict(
             f"thread {thread!r} on {remote.url} was moved by another writer (now at "
             f"{now[:12] if now else 'nothing'}); your commits were uploaded but the thread "
             "was left alone: pull it, or push another thread") from None
+    _note_seen(repo, remote, thread, ref.seq + 1, tip)
 
 
 def _ancestors(repo: Repository, tip: str) -> set[str]:
@@ -271,23 +312,25 @@ def _walk_tree(tree_id: str, ids: set[bytes], read: Callable[[bytes], bytes]) ->
 
 # -- pull ----------------------------------------------------------------------------------
 
-def pull(repo: Repository, url: str, ref: str) -> PullReport:
+def pull(repo: Repository, remote: Remote, ref: str, *,
+         creds: Credentials | None = None) -> PullReport:
     """Fetch ``ref`` (a thread of the remote, or a full commit id) and its history; a
     thread is created or moved forward locally (RemoteConflict if the two diverged)."""
-    remote = S3Bucket(url)
-    remote.check_bucket()
+    remote = _opened(remote, creds)
+    remote_ref = None
     if is_hex_id(ref):
         tip, thread = ref, None
     else:
-        tip, _ = read_remote_ref(remote, ref)
-        if tip is None:
+        remote_ref = remote.read_ref(ref)
+        _check_seen(repo, remote, ref, remote_ref)
+        if remote_ref.tip is None:
             raise RemoteNotFound(f"no thread {ref!r} on {remote.url}")
-        thread = ref
+        tip, thread = remote_ref.tip, ref
     with FileLock(repo.lock_path, shared=True, timeout=repo.lock_timeout):
         commits = _fetch_commits(repo, remote, tip)
         needed: set[str] = set()
         for cid, _c, _body in commits:
-            needed.update(_manifest(remote, cid))
+            needed.update(remote.get_manifest(cid))
         needed -= set(repo.index.packs())
         staging = _Staging(repo)
         with FileLock(staging.dir / "lock", timeout=repo.lock_timeout):
@@ -296,24 +339,26 @@ def pull(repo: Repository, url: str, ref: str) -> PullReport:
             _install(repo, staging, entries, commits)
             staging.clear(needed)
     if tip in remote_only(repo):  # known here, its chunks evicted: bring them back too
-        more = fetch_commit_data(repo, url, tip)
+        more = fetch_commit_data(repo, remote, tip)
         counts = (counts[0] + more.packs_downloaded, counts[1] + more.bytes_downloaded,
                   counts[2] + more.packs_resumed)
     moved = _advance_thread(repo, thread, tip, str(remote.url)) if thread else None
+    if thread and remote_ref is not None:
+        _note_seen(repo, remote, thread, remote_ref.seq, tip)
     return PullReport(tip, counts[0], counts[1], counts[2], len(commits), moved)
 
 
-def fetch_commit_data(repo: Repository, url: str, commit_id: str,
-                      progress: PullProgress | None = None) -> PullReport:
+def fetch_commit_data(repo: Repository, remote: Remote, commit_id: str,
+                      progress: PullProgress | None = None, *,
+                      creds: Credentials | None = None) -> PullReport:
     """Bring back the chunks of a commit this store knows (a remote-only one, tiers.py) from
     ``url``: the packs its manifest names that the store lacks, verified as a pull's (every
     object of the commit's tree present and hashing to its id) before they become visible;
     then the commit is no longer remote-only."""
     commit = repo.get_commit(commit_id)
-    remote = S3Bucket(url)
-    remote.check_bucket()
+    remote = _opened(remote, creds)
     with FileLock(repo.lock_path, shared=True, timeout=repo.lock_timeout):
-        needed = set(_manifest(remote, commit.id)) - set(repo.index.packs())
+        needed = set(remote.get_manifest(commit.id)) - set(repo.index.packs())
         staging = _Staging(repo)
         with FileLock(staging.dir / "lock", timeout=repo.lock_timeout):
             counts = staging.fetch(remote, sorted(needed), progress)
@@ -324,23 +369,23 @@ def fetch_commit_data(repo: Repository, url: str, commit_id: str,
     return PullReport(commit.id, counts[0], counts[1], counts[2], 0, None)
 
 
-def clone(url: str, path: str | os.PathLike[str]) -> tuple[Repository, list[PullReport]]:
+def clone(remote: Remote, path: str | os.PathLike[str], *,
+          creds: Credentials | None = None) -> tuple[Repository, list[PullReport]]:
     """Create a store at ``path`` (or open the one there: an interrupted clone resumes) and
-    pull every thread of ``url`` into it."""
-    remote = S3Bucket(url)
-    remote.check_bucket()
-    names = remote_threads(remote)
+    pull every thread of ``remote`` into it."""
+    remote = _opened(remote, creds)
+    names = remote.threads()
     if not names:
         raise RemoteNotFound(f"no threads on {remote.url}: nothing to clone")
     repo = Repository.open_or_init(path)
     try:
-        return repo, [pull(repo, url, n) for n in names]
+        return repo, [pull(repo, remote, n) for n in names]
     except BaseException:
         repo.close()
         raise
 
 
-def _fetch_commits(repo: Repository, remote: S3Bucket, tip: str
+def _fetch_commits(repo: Repository, remote: RemoteRepo, tip: str
                    ) -> list[tuple[str, Commit, bytes]]:
     """The commits of ``tip``'s history that the store lacks, verified, parents first."""
     order: list[tuple[str, Commit, bytes]] = []
@@ -354,13 +399,12 @@ def _fetch_commits(repo: Repository, remote: S3Bucket, tip: str
         if cid in seen or repo.index.has_commit(cid):
             continue
         seen.add(cid)
-        got = remote.get(_fan("commits", cid))
-        if got is None:
+        body = remote.get_commit(cid)
+        if body is None:
             if cid == tip:
                 raise RemoteNotFound(f"no commit {cid} on {remote.url}")
             raise RemoteCorrupt(f"commit {cid} (in the history of {tip[:12]}) is missing "
                                 f"on {remote.url}")
-        body = got[0]
         if hash_bytes(body).hex() != cid:
             raise RemoteCorrupt(f"commit {cid} on {remote.url} is damaged (checksum)")
         try:
@@ -370,19 +414,6 @@ def _fetch_commits(repo: Repository, remote: S3Bucket, tip: str
         stack.append((cid, (cid, commit, body)))
         stack.extend((p, None) for p in commit.parents)
     return order
-
-
-def _manifest(remote: S3Bucket, cid: str) -> list[str]:
-    got = remote.get(_fan("manifests", cid))
-    try:
-        packs = json.loads(got[0]) if got is not None else None
-    except ValueError:
-        packs = None
-    if not isinstance(packs, list) or not all(isinstance(p, str) and is_hex_id(p)
-                                              for p in packs):
-        raise RemoteCorrupt(f"the pack list of commit {cid} on {remote.url} is missing "
-                            "or damaged")
-    return packs
 
 
 class _Staging:
@@ -399,7 +430,7 @@ class _Staging:
     def path(self, pack: str) -> Path:
         return self.dir / pack
 
-    def fetch(self, remote: S3Bucket, packs: list[str], progress: PullProgress | None = None
+    def fetch(self, remote: RemoteRepo, packs: list[str], progress: PullProgress | None = None
               ) -> tuple[int, int, int]:
         """Download and verify every pack not staged yet: (downloaded, bytes, resumed)."""
         for leftover in self.dir.iterdir():
@@ -414,7 +445,11 @@ class _Staging:
                     progress(got + resumed, len(packs), got_bytes)
                 continue
             part = self.dir / f"{pack}.part"
-            remote.download(_fan("packs", pack), part)
+            try:
+                remote.download_pack(pack, part)
+            except RemoteCorrupt:
+                part.unlink(missing_ok=True)
+                raise
             os.chmod(part, fsutil.FILE_MODE)
             try:
                 _verify_pack(part, pack)
@@ -537,6 +572,5 @@ def _advance_thread(repo: Repository, thread: str, tip: str, where: str) -> str 
     return thread
 
 
-__all__ = ["PullProgress", "PullReport", "PushReport", "clone", "fetch_commit_data", "pull",
-           "push", "read_manifest", "read_remote_ref", "remote_commits", "remote_packs",
-           "remote_threads"]
+__all__ = ["PullProgress", "PullReport", "PushReport", "Remote", "clone", "fetch_commit_data",
+           "open_remote", "pull", "push", "read_manifest", "read_remote_ref", "remote_threads"]

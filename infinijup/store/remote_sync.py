@@ -11,6 +11,13 @@ that another writer moved on the remote (``RemoteConflict``) is not retried unti
 new commit. After a pass that pushed everything, ``evict`` (tiers.py) brings the store under
 the local budget, when one is set.
 
+The remote is opened once, with ``creds`` (default: the environment's, keys.py:
+``$INFINIJUP_STORE_PASSWORD_FILE`` or ``$INFINIJUP_STORE_KEY_FILE`` for an encrypted remote,
+``$INFINIJUP_REMOTE_UNENCRYPTED=1`` to allow one without encryption), and kept: the key is
+derived once per server, and adding, removing or changing key slots meanwhile does not
+disturb it (the master key does not change). A missing or wrong key is a failure like any
+other: logged with its reason, retried.
+
 Restores pin the commit they read (``pinned``) so that an eviction does not take its chunks
 meanwhile. ``status()`` is a JSON-able summary for the server's status route.
 """
@@ -26,7 +33,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .errors import RemoteConflict, StoreLocked, UnknownRef
+from .keys import Credentials
 from .remote import push
+from .remote_repo import RemoteRepo, open_remote
 from .repository import Repository
 from .s3 import parse_url
 from .tiers import evict, store_bytes
@@ -41,8 +50,11 @@ class RemoteSync:
                  budget: Callable[[], int] = lambda: 0,
                  preferred: Callable[[], set[str]] = set,
                  retry_min: float = 1.0, retry_max: float = 300.0,
-                 logger: logging.Logger | logging.LoggerAdapter | None = None) -> None:
+                 logger: logging.Logger | logging.LoggerAdapter | None = None,
+                 creds: Credentials | None = None) -> None:
         self.url = str(parse_url(url))  # a bad URL fails here, at start-up
+        self.creds = Credentials.from_env() if creds is None else creds
+        self._remote: RemoteRepo | None = None
         self.store_path = Path(store_path)
         self.budget = budget
         self.preferred = preferred
@@ -184,12 +196,18 @@ class RemoteSync:
     def _ready(self) -> bool:
         return self._has_work() and time.monotonic() >= self._retry_at
 
+    def remote(self) -> RemoteRepo:
+        """The remote, opened on first use (its key derived once)."""
+        if self._remote is None:
+            self._remote = open_remote(self.url, self.creds)
+        return self._remote
+
     def _push(self, repo: Repository, names: set[str]) -> bool:
         """Push each thread; False (all of them queued again) on a failure to retry."""
         todo = sorted(names)
         for i, name in enumerate(todo):
             try:
-                report = push(repo, self.url, [name])
+                report = push(repo, self.remote(), [name])
             except UnknownRef:  # the thread was deleted meanwhile
                 with self._cond:
                     self._inflight.discard(name)
@@ -244,7 +262,7 @@ class RemoteSync:
         budget = self.budget()
         try:
             preferred = set(self.preferred()) | set(repo.threads().values())
-            report = evict(repo, self.url, budget, pinned=pinned, preferred=preferred,
+            report = evict(repo, self.remote(), budget, pinned=pinned, preferred=preferred,
                            manifests=self._manifests)
         except StoreLocked:  # a snapshot is being written: after it, or a while
             with self._cond:

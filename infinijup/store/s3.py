@@ -198,6 +198,24 @@ class S3Bucket:
             self.client.upload_file(str(path), self.url.bucket, self.key(name),
                                     Config=self.transfer)
 
+    def delete(self, name: str) -> None:
+        """Remove ``name`` (no error if it is absent)."""
+        with self._errors(f"deleting {name}"):
+            self.client.delete_object(Bucket=self.url.bucket, Key=self.key(name))
+
+    def upload_stream(self, name: str, stream: Any) -> None:
+        """Upload what a readable, non-seekable file-like object gives (multipart when
+        large)."""
+        with self._errors(f"uploading {name}"):
+            self.client.upload_fileobj(stream, self.url.bucket, self.key(name),
+                                       Config=self.transfer)
+
+    def download_stream(self, name: str, stream: Any) -> None:
+        """Download ``name`` into a writable, non-seekable file-like object (in order)."""
+        with self._errors(f"downloading {name}"):
+            self.client.download_fileobj(self.url.bucket, self.key(name), stream,
+                                         Config=self.transfer)
+
     def download(self, name: str, path: Path) -> None:
         """Download ``name`` to ``path`` (ranged parallel GETs when large)."""
         with self._errors(f"downloading {name}"):

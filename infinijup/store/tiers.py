@@ -35,17 +35,10 @@ from .lock import FileLock
 from .objects import Commit
 from .packs import DELTA
 from .reader import ObjectReader
-from .remote import (
-    PullProgress,
-    PullReport,
-    fetch_commit_data,
-    read_manifest,
-    remote_commits,
-    remote_packs,
-)
+from .remote import PullProgress, PullReport, fetch_commit_data
 from .remote_only import mark_remote_only, remote_only
+from .remote_repo import RemoteRepo, open_remote
 from .repository import Repository
-from .s3 import S3Bucket, parse_url
 
 
 @dataclass(frozen=True)
@@ -72,38 +65,36 @@ def store_bytes(repo: Repository) -> int:
     return sum(size for size, _count in repo.index.packs().values())
 
 
-def safely_remote(repo: Repository, remote: S3Bucket,
+def safely_remote(repo: Repository, remote: RemoteRepo,
                   manifests: dict[str, list[str]] | None = None) -> set[str]:
     """Local commits (not remote-only yet) whose every object the remote holds.
     ``manifests`` caches the remote's manifests between calls (they never change)."""
     cache = manifests if manifests is not None else {}
-    there = remote_commits(remote)
-    packs_there = remote_packs(remote)
-    local_packs = repo.index.packs()
     elsewhere = remote_only(repo)
-    safe = set()
-    for cid in set(repo.index.commit_ids()) & there:
-        if cid in elsewhere:
-            continue
-        if cid not in cache:
-            cache[cid] = read_manifest(remote, cid)
-        if all(p in packs_there and (p not in local_packs or local_packs[p][0] == packs_there[p])
-               for p in cache[cid]):
-            safe.add(cid)
-    return safe
+    there = remote.commits_present(c for c in repo.index.commit_ids() if c not in elsewhere)
+    for cid in there - set(cache):
+        cache[cid] = remote.get_manifest(cid)
+    packs_there = remote.present_packs(set().union(*(cache[c] for c in there)))
+    local_packs = repo.index.packs()
+    return {cid for cid in there
+            if all(p in packs_there and (p not in local_packs or
+                                         remote.remote_size(local_packs[p][0]) == packs_there[p])
+                   for p in cache[cid])}
 
 
-def evict(repo: Repository, url: str, budget: int, *, pinned: Collection[str] = (),
-          preferred: Collection[str] = (), lock_timeout: float = 1.0,
+def evict(repo: Repository, remote: RemoteRepo | str, budget: int, *,
+          pinned: Collection[str] = (), preferred: Collection[str] = (), lock_timeout: float = 1.0,
           manifests: dict[str, list[str]] | None = None) -> EvictionReport:
-    """Make commits safely on ``url`` remote-only until the store's packs fit in ``budget``
+    """Make commits safely on ``remote`` (opened, or a URL opened with the environment's
+    credentials, keys.py) remote-only until the store's packs fit in ``budget``
     bytes (see the module docs). Raises StoreLocked when a snapshot kept the store busy for
     ``lock_timeout`` seconds."""
     before = store_bytes(repo)
     if before <= budget:
         return EvictionReport(budget, before, before)
-    url = str(parse_url(url))
-    safe = safely_remote(repo, S3Bucket(url), manifests)  # remote calls before the lock
+    remote = remote if isinstance(remote, RemoteRepo) else open_remote(remote)
+    url = str(remote.url)
+    safe = safely_remote(repo, remote, manifests)  # remote calls before the lock
     with FileLock(repo.lock_path, timeout=lock_timeout):
         plan = _Planner(repo).plan(budget, safe - set(pinned), set(preferred))
         if not plan.commits:

@@ -177,17 +177,52 @@ def started(root: Path) -> S3Server:
     return server
 
 
-def use_remote(server: S3Server, monkeypatch: Any, prefix: str) -> str:
+def use_remote(server: S3Server, monkeypatch: Any, prefix: str, *,
+               encrypted: bool = True) -> str:
     """Point this process at ``server`` (its credentials and endpoint, nothing from the
     developer's own AWS setup or Infinijup's remote settings) and give it a fresh bucket;
-    returns the remote URL ``s3://bucket/prefix``."""
+    returns the remote URL ``s3://bucket/prefix``.
+
+    ``encrypted`` (what a user gets by default): the remote is made an encrypted one with a
+    fresh password, whose file ``$INFINIJUP_STORE_PASSWORD_FILE`` names (so pushes, pulls and
+    a server's background push in this process or its children open it). Otherwise
+    ``$INFINIJUP_REMOTE_UNENCRYPTED=1``: pushes in the clear, asked for explicitly."""
     for k, v in server.env().items():
         if k.startswith(("AWS_", "INFINIJUP_S3")):
             monkeypatch.setenv(k, v)
     for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "INFINIJUP_REMOTE",
-              "INFINIJUP_LOCAL_BUDGET"):
+              "INFINIJUP_LOCAL_BUDGET", "INFINIJUP_STORE_PASSWORD_FILE",
+              "INFINIJUP_STORE_KEY_FILE", "INFINIJUP_REMOTE_UNENCRYPTED"):
         monkeypatch.delenv(k, raising=False)
-    return new_bucket(server, prefix)
+    url = new_bucket(server, prefix)
+    if encrypted:
+        monkeypatch.setenv("INFINIJUP_STORE_PASSWORD_FILE", str(encrypt_remote(server, url)))
+    else:
+        monkeypatch.setenv("INFINIJUP_REMOTE_UNENCRYPTED", "1")
+    return url
+
+
+def encrypt_remote(server: S3Server, url: str) -> Path:
+    """``infinijup store key init`` on ``url`` with a fresh password; the password's file
+    (in the server's directory, mode 0600)."""
+    from infinijup.store.keys import Credentials, init_remote
+    from infinijup.store.s3 import S3Bucket
+
+    path = server.root / f"password-{secrets.token_hex(6)}"
+    path.write_text(secrets.token_urlsafe(18) + "\n")
+    path.chmod(0o600)
+    saved = {k: os.environ.get(k) for k in ("INFINIJUP_S3_ENDPOINT", "AWS_ACCESS_KEY_ID",
+                                            "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
+    os.environ.update({k: v for k, v in server.env().items() if k in saved})
+    try:
+        init_remote(S3Bucket(url), Credentials.build(password_file=path))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return path
 
 
 def new_bucket(server: S3Server, prefix: str) -> str:

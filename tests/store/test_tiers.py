@@ -26,6 +26,7 @@ from infinijup.store.check import check
 from infinijup.store.checkout import checkout_dir
 from infinijup.store.errors import ObjectMissing, RemoteError, StoreLocked
 from infinijup.store.gc import gc
+from infinijup.store.keys import Credentials
 from infinijup.store.lock import FileLock
 from infinijup.store.remote import fetch_commit_data, pull, push, read_remote_ref
 from infinijup.store.remote_only import remote_only
@@ -109,7 +110,8 @@ def test_oldest_go_first_and_come_back_verified(s3: S3Server, remote: str,
     bucket = f"ij-{uuid.uuid4().hex[:12]}"
     s3.make_bucket(bucket)
     with pytest.raises(RemoteError, match="remote-only here"):  # its data is not here to send
-        push(repo, f"s3://{bucket}/elsewhere", ["main"])
+        push(repo, f"s3://{bucket}/elsewhere", ["main"],
+             creds=Credentials(unencrypted=True))
     checkout_dir(repo, local_only.id, tmp_path / "local")  # never pushed: untouched
     assert _files(tmp_path / "local") == local_files
 
