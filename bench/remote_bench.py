@@ -31,6 +31,7 @@ from s3server import S3Server  # noqa: E402
 
 from infinijup.store import Repository  # noqa: E402
 from infinijup.store.check import check  # noqa: E402
+from infinijup.store.keys import Credentials  # noqa: E402
 from infinijup.store.remote import pull, push  # noqa: E402
 from infinijup.store.s3 import S3Bucket  # noqa: E402
 
@@ -78,11 +79,12 @@ def main() -> None:
             repo.commit_dir(image, thread="main")
             pack_bytes = sum(s for s, _ in repo.index.packs().values())
 
-            t_push, r1 = timed(lambda: push(repo, url))
+            clear = Credentials(unencrypted=True)  # the transport alone (remote_crypto_bench.py
+            t_push, r1 = timed(lambda: push(repo, url, creds=clear))  # compares encrypted)
             plain = S3Bucket("s3://bench/plain")
             t_up, _ = timed(lambda: plain.upload("image", image / "pages.img"))
             b = Repository.init(root / "b")
-            t_pull, r2 = timed(lambda: pull(b, url, "main"))
+            t_pull, r2 = timed(lambda: pull(b, url, "main", creds=clear))
             t_down, _ = timed(lambda: plain.download("image", root / "image.copy"))
             assert check(b).ok
 
@@ -92,7 +94,7 @@ def main() -> None:
                     f.seek(int(page) * 4096)
                     f.write(data_rng.integers(0, 256, 4096, dtype=np.uint8).tobytes())
             repo.commit_dir(image, thread="main")
-            t_push2, r3 = timed(lambda: push(repo, url))
+            t_push2, r3 = timed(lambda: push(repo, url, creds=clear))
         finally:
             server.stop()
 

@@ -125,7 +125,7 @@ class EncryptingReader:
         self._count = max(1, -(-self.size // SEGMENT))
         salt = os.urandom(SALT)
         self._aead = key._aead(kind, name, salt)
-        self._buf = bytearray(MAGIC + salt)
+        self._rest = memoryview(MAGIC + salt)  # sealed, not read yet
         self._next = 0  # next segment to seal
 
     def seekable(self) -> bool:
@@ -135,19 +135,21 @@ class EncryptingReader:
         return True
 
     def read(self, n: int = -1) -> bytes:
-        while (n < 0 or len(self._buf) < n) and self._next < self._count:
+        parts, have = [self._rest], len(self._rest)
+        while (n < 0 or have < n) and self._next < self._count:
             plain = self._f.read(SEGMENT)
             last = self._next == self._count - 1
             if (len(plain) < SEGMENT and not last) or (last and self._f.read(1)):
                 raise OSError("the file changed size while being sealed")
-            self._buf += self._aead.encrypt(_nonce(self._next, last), plain, None)
+            parts.append(memoryview(self._aead.encrypt(_nonce(self._next, last), plain,
+                                                       None)))
+            have += len(parts[-1])
             self._next += 1
-        if n < 0 or n >= len(self._buf):
-            out, self._buf = bytes(self._buf), bytearray()
-        else:
-            out = bytes(self._buf[:n])
-            del self._buf[:n]
-        return out
+        self._rest = memoryview(b"")
+        if 0 <= n < have:  # keep the tail of the last part for the next read
+            cut = len(parts[-1]) - (have - n)
+            parts[-1], self._rest = parts[-1][:cut], parts[-1][cut:]
+        return b"".join(parts)  # the one copy
 
     def close(self) -> None:
         self._f.close()
@@ -177,7 +179,7 @@ class DecryptingWriter:
         return True
 
     def write(self, data: bytes) -> int:
-        self._buf += data
+        self._buf += data  # at most one segment stays buffered
         if self._aead is None:
             if len(self._buf) < _HEAD:
                 return len(data)
@@ -188,9 +190,10 @@ class DecryptingWriter:
             del self._buf[:_HEAD]
         step = SEGMENT + TAG
         done = 0
-        while len(self._buf) - done > step:
-            self._open(memoryview(self._buf)[done:done + step], last=False)
-            done += step
+        with memoryview(self._buf) as view:
+            while len(view) - done > step:
+                self._open(view[done:done + step], last=False)
+                done += step
         if done:
             del self._buf[:done]
         return len(data)
@@ -198,7 +201,7 @@ class DecryptingWriter:
     def _open(self, seg: memoryview, last: bool) -> None:
         assert self._aead is not None
         try:
-            plain = self._aead.decrypt(_nonce(self._next, last), bytes(seg), None)
+            plain = self._aead.decrypt(_nonce(self._next, last), seg, None)
         except InvalidTag:
             raise NotAuthentic(f"segment {self._next} does not authenticate") from None
         self._out.write(plain)

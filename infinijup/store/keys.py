@@ -81,6 +81,16 @@ class Credentials:
                                                                               "yes"))
 
     @classmethod
+    def resolve(cls, password_file: str = "", key_file: str = "", unencrypted: bool = False
+                ) -> Credentials:
+        """Settings (say, a server's config) where given, else the environment's."""
+        if password_file or key_file:
+            return cls.build(password_file=password_file or None, key_file=key_file or None,
+                             unencrypted=unencrypted)
+        env = cls.from_env()
+        return cls(env.password, env.key_file, unencrypted or env.unencrypted)
+
+    @classmethod
     def build(cls, *, password_file: str | os.PathLike[str] | None = None,
               key_file: str | os.PathLike[str] | None = None, unencrypted: bool = False
               ) -> Credentials:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from .errors import ObjectMissing, StoreError, StoreLocked
 from .gc import REPACK_UNUSED, drop_unused
+from .keys import Credentials
 from .lock import FileLock
 from .objects import Commit
 from .packs import DELTA
@@ -114,16 +115,17 @@ def evict(repo: Repository, remote: RemoteRepo | str, budget: int, *,
 
 
 def ensure_local(repo: Repository, commit_id: str, *, progress: PullProgress | None = None,
-                 unless: Callable[[], bool] = lambda: False) -> PullReport | None:
-    """Pull the chunks of ``commit_id`` back from its remote if it is remote-only. None when
-    there was nothing to do: it is local, or ``unless()`` says its images are at hand
-    elsewhere (the hot tier)."""
+                 unless: Callable[[], bool] = lambda: False,
+                 creds: Credentials | None = None) -> PullReport | None:
+    """Pull the chunks of ``commit_id`` back from its remote if it is remote-only (opened
+    with ``creds``, default the environment's: keys.py). None when there was nothing to do:
+    it is local, or ``unless()`` says its images are at hand elsewhere (the hot tier)."""
     # the shared lock waits out an eviction that may be removing this commit's packs
     with FileLock(repo.lock_path, shared=True, timeout=repo.lock_timeout):
         url = remote_only(repo).get(commit_id)
     if url is None or unless():
         return None
-    return fetch_commit_data(repo, url, commit_id, progress)
+    return fetch_commit_data(repo, url, commit_id, progress, creds=creds)
 
 
 @dataclass

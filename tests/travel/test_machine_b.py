@@ -2,7 +2,9 @@
 machine B, a second helper, store, work dir and Jupyter server in namespaces of their own
 (mount, UTS, network; travelkit.py), the store moved through a real object store (SeaweedFS,
 ``infinijup store push`` from A, ``infinijup store clone``/``pull`` into B's store). Real CRIU,
-real servers; nothing of A is reachable from B, and A is stopped before B resumes.
+real servers; nothing of A is reachable from B, and A is stopped before B resumes. The remote
+is encrypted, as a user's is (``infinijup store key init``): each machine holds the password
+in a file of its own (``$INFINIJUP_STORE_PASSWORD_FILE``), and B's clone without it is refused.
 
 What B lacks at first is what a user moving to another machine lacks: the notebook's files, a
 commit taken after the clone (no key of A's home: each snapshot carries its kernel's own). Each is refused with a reason that
@@ -20,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from s3server import new_bucket  # noqa: I001 - on sys.path once travelkit is in
+from s3server import encrypt_remote, new_bucket  # noqa: I001 - on sys.path once travelkit is in
 from travelkit import (
     Helper,
     Machine,
@@ -63,7 +65,22 @@ HANG_GUARD = 300.0
 
 @pytest.fixture
 def remote(s3: S3Server) -> str:
-    return new_bucket(s3, "alice")
+    url = new_bucket(s3, "alice")
+    PASSWORDS[url] = encrypt_remote(s3, url).read_text()
+    return url
+
+
+PASSWORDS: dict[str, str] = {}  # remote -> its password (what the user knows)
+
+
+def with_key(machine: Machine, remote: str, env: dict[str, str], user=None) -> dict[str, str]:  # noqa: ANN001
+    """``env`` plus the remote's password, in a file of ``machine`` (readable by ``user``)."""
+    inside = machine.root / "remote-password"
+    machine.path(inside).write_text(PASSWORDS[remote])
+    machine.path(inside).chmod(0o600)
+    if user is not None:
+        chown_tree(machine.path(inside), user)
+    return {**env, "INFINIJUP_STORE_PASSWORD_FILE": str(inside)}
 
 
 @pytest.fixture
@@ -141,7 +158,8 @@ def interrupted_pull(b: Machine, remote: str, ref: str, env: dict[str, str]) -> 
 
 def test_resume_on_machine_b(machines, s3: S3Server, remote: str, tmp_path: Path):
     a, b = machines
-    env = s3.env()
+    no_key = s3.env()
+    env_a, env = with_key(a, remote, no_key), with_key(b, remote, no_key)
 
     # --- machine A: a kernel with state, two snapshots, pushed to the object store ---------
     helper_a, server_a = start(a)
@@ -152,9 +170,12 @@ def test_resume_on_machine_b(machines, s3: S3Server, remote: str, tmp_path: Path
     expected = server_a.value(kernel, NEXT)  # what the state at the snapshot does next
     seen_on_a = server_a.value(kernel, "repr(seen_on_a)")
     on_gpus = gpu_variant(a.store, snap["commit"], tmp_path / "gpu")
-    pushed = a.store_cli("push", remote, env=env)
+    pushed = a.store_cli("push", remote, env=env_a)
     assert pushed.returncode == 0, pushed.stderr
 
+    refused = b.store_cli("clone", remote, str(b.store), env=no_key)  # B without the key
+    assert refused.returncode == 2 and "[remote_key_required]" in refused.stderr, refused.stderr
+    assert not b.path(b.store / "packs").exists()
     cloned = b.store_cli("clone", remote, str(b.store), env=env)  # B: an empty store
     assert cloned.returncode == 0, cloned.stderr
     checked = b.store_cli("check", "--read-data")
@@ -163,7 +184,7 @@ def test_resume_on_machine_b(machines, s3: S3Server, remote: str, tmp_path: Path
     server_a.execute(kernel, "x += 1")  # a snapshot taken after B's clone
     code, later = server_a.request("POST", "/infinijup/snapshot", {"kernel_id": kernel})
     assert code == 201, later
-    pushed = a.store_cli("push", remote, env=env)
+    pushed = a.store_cli("push", remote, env=env_a)
     assert pushed.returncode == 0, pushed.stderr
     server_a.stop()  # machine A is gone from here on
     helper_a.stop()
@@ -270,6 +291,7 @@ def test_an_account_resumes_on_b_once_the_helpers_share_a_seal_key(user, machine
     (``<work>/.seal-key``, a cluster's secret); without it the resume is refused, saying so."""
     a, b = machines
     env = s3.env()
+    env_a = with_key(a, remote, env, user)
     helper_a = Helper(a)
     helper_a.start()
     server_a = Server(a, helper_a, user)
@@ -281,14 +303,15 @@ def test_an_account_resumes_on_b_once_the_helpers_share_a_seal_key(user, machine
     expected = server_a.value(kernel, NEXT)
     server_a.stop()
     helper_a.stop()
-    pushed = a.store_cli("push", remote, env=env, user=user)
+    pushed = a.store_cli("push", remote, env=env_a, user=user)
     assert pushed.returncode == 0, pushed.stderr
 
     # The user's home and notebooks on B: the store cloned, the key and files copied.
     for d in (b.home, b.notebooks):
         b.path(d).mkdir(mode=0o755, parents=True, exist_ok=True)
         chown_tree(b.path(d), user)
-    cloned = b.store_cli("clone", remote, str(b.store), env=env, user=user)
+    cloned = b.store_cli("clone", remote, str(b.store), env=with_key(b, remote, env, user),
+                         user=user)
     assert cloned.returncode == 0, cloned.stderr
     shutil.copytree(a.notebooks, b.path(b.notebooks), dirs_exist_ok=True)
     b.path(b.home).mkdir(parents=True, exist_ok=True)
