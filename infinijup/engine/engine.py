@@ -28,6 +28,7 @@ from ..store import checkout as store_checkout
 from ..store.errors import RefConflict
 from ..store.faults import holdpoint
 from ..store.objects import Blob, File
+from ..store.thinned import CommitThinned
 from ..store.writer import entries_from_dir
 from .hot_tier import HotTier, _allocated
 
@@ -363,6 +364,9 @@ class SnapshotEngine:
             return target
         try:
             store_checkout.checkout_dir(self.repo, commit_id, target)
+        except CommitThinned:  # no damage: its images went with age (409, the reason)
+            self._discard(target)
+            raise
         except InfinijupError as exc:
             self._discard(target)
             # A commit that resolved but cannot be read back (a damaged or missing pack) is

@@ -23,6 +23,7 @@ from ..errors import Conflict, InfinijupError
 from ..gpu.restore_rules import plan_gpu_restore
 from ..store.errors import UnknownRef
 from ..store.objects import is_hex_id
+from ..store.thinned import thinned
 
 
 class Heads:
@@ -112,6 +113,10 @@ def why_not_resumable(c) -> str | None:  # noqa: ANN001
     return None
 
 
+THINNED = ("thinned: an automatic snapshot kept only in the history (its images went with "
+           "age); restore a newer or older one")
+
+
 def commit_json(c, not_resumable: str | None = None) -> dict:  # noqa: ANN001
     meta = dict(c.metadata or {})
     meta.pop("connection", None)  # holds the kernel's HMAC key: never leaves the server
@@ -129,6 +134,7 @@ def commit_json(c, not_resumable: str | None = None) -> dict:  # noqa: ANN001
 def history(repo, path: str, head: Head, remote_only: set[str] | dict) -> dict:  # noqa: ANN001
     """A notebook's commits, newest first, its threads and where its kernel stands."""
     key = notebook_key(path)
+    gone = thinned(repo)
     threads = notebook_threads(repo.threads(), key)
     commits: dict[str, object] = {}
     for name in threads:
@@ -147,7 +153,9 @@ def history(repo, path: str, head: Head, remote_only: set[str] | dict) -> dict: 
     next_thread = plan_snapshot(head, threads, None).thread
     return {
         "path": path,
-        "commits": [{**commit_json(c, why_not_resumable(c)), "remote_only": c.id in remote_only,
+        "commits": [{**commit_json(c, THINNED if c.id in gone else why_not_resumable(c)),
+                     "remote_only": c.id in remote_only,
+                     **({"thinned": True} if c.id in gone else {}),
                      **_elsewhere(c, key)} for c in ordered],
         "threads": threads,
         "head": {"thread": head.thread, "commit": head.commit, "next_thread": next_thread},

@@ -41,6 +41,7 @@ from .events import EVENT_SCHEMA_ID, Events
 from .hibernation import Hibernation
 from .remote_tier import RemoteTier, budget_from_env, remote_from_env
 from .resume import Resumes
+from .retention import Retention
 from .undo import UndoRedo
 
 __all__ = ["EVENT_SCHEMA_ID", "SnapshotManager"]
@@ -65,6 +66,17 @@ class SnapshotManager(LoggingConfigurable):
                                ).tag(config=True)
     autosnapshot_after_s = Float(60.0, help="Seconds after which a cell is always followed by "
                                             "an automatic snapshot.").tag(config=True)
+    autosnapshot_keep_all_s = Float(3600.0, help="Automatic snapshots younger than this are all "
+                                                 "kept; older ones are thinned to one per "
+                                                 "autosnapshot_every_s.").tag(config=True)
+    autosnapshot_every_s = Float(600.0, help="Past autosnapshot_keep_all_s, one automatic "
+                                             "snapshot per this many seconds is kept."
+                                 ).tag(config=True)
+    autosnapshot_keep = Integer(200, help="At most this many automatic snapshots are kept (the "
+                                          "oldest are thinned first).").tag(config=True)
+    autosnapshot_keep_bytes = Integer(0, help="The store bytes automatic snapshots may hold "
+                                              "together (0: no limit); past it the oldest are "
+                                              "thinned.").tag(config=True)
     hot_tier_bytes = Integer(help="Bytes of recent snapshots' images kept ready in the helper's "
                                   "work dir, so that restoring them skips the store checkout "
                                   "(default: a quarter of the memory, at most 32 GiB; 0: none)."
@@ -152,6 +164,7 @@ class SnapshotManager(LoggingConfigurable):
         self.hibernation = Hibernation(self, store.with_name(store.name + "-hibernated"))
         self.resumes = Resumes(self)
         self.undo_redo = UndoRedo(self)  # undo.py
+        self.retention = Retention(self)  # retention.py: automatic snapshots in a window
         self.remote_tier = RemoteTier(self)  # background push and eviction (remote_tier.py)
         self.remote_tier.start()
 

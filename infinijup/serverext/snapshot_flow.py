@@ -158,6 +158,8 @@ class SnapshotRun:
             m.heads.set(self.km.kernel_id, Head(commit=commit.id, thread=self.plan.thread,
                                                 base_thread=self.plan.thread), self.prov)
             m.events.emit(op, "done", 100, commit=commit.id, thread=self.plan.thread)
+            if (self.described or {}).get("auto") or self.auto:
+                m.retention.after_auto()  # older automatic snapshots thinned (retention.py)
         stats = {"image_bytes": result.image_bytes, "stored_bytes": result.stored_bytes,
                  "pause_s": result.pause_s, "quiesce_s": t_quiesce,
                  "running_again_s": self.running_again_s,

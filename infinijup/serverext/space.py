@@ -107,9 +107,11 @@ async def delete_snapshot_or_thread(m, *, kernel_id: str | None, path: str | Non
     return await asyncio.to_thread(run)
 
 
-def prune_hot(m, keep: dict[str, str] | set[str]) -> list[Entry]:  # noqa: ANN001
-    """Drop the hot copies of snapshots gone from the store, and of those unused for
-    ``HOT_IDLE_S``, except what a kernel stands on (from a worker thread; never raises)."""
+def prune_hot(m, keep: dict[str, str] | set[str],  # noqa: ANN001
+              drop: set[str] = frozenset()) -> list[Entry]:
+    """Drop the hot copies of snapshots gone from the store (or thinned: ``drop``), and of
+    those unused for ``HOT_IDLE_S``, except what a kernel stands on (from a worker thread;
+    never raises)."""
     repo = m.repo()
     now = time.time()
 
@@ -118,7 +120,8 @@ def prune_hot(m, keep: dict[str, str] | set[str]) -> list[Entry]:  # noqa: ANN00
     def wanted(e: Entry) -> bool:
         if e.commit in keep or e.store != store_id:  # another store's copy is not ours to judge
             return True
-        return repo.index.has_commit(e.commit) and now - e.used < HOT_IDLE_S
+        return (e.commit not in drop and repo.index.has_commit(e.commit)
+                and now - e.used < HOT_IDLE_S)
 
     try:
         dropped = m.engine().hot_tier().prune(wanted)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 
 from ..errors import Conflict, InfinijupError
+from ..store.thinned import thinned
 from . import snapshot_flow
 
 
@@ -75,6 +76,9 @@ class UndoRedo:
             # unchanged: HEAD's parent; changed: the snapshot just taken stands on HEAD, and
             # the cells since HEAD (too quick to snapshot) all go
             parents = repo.get_commit(here).parents
+            gone = thinned(repo)  # automatic snapshots thinned with age: further back
+            while parents and parents[0] in gone:
+                parents = repo.get_commit(parents[0]).parents
             if not parents:
                 raise Conflict("nothing to undo: the kernel is at the first snapshot of its "
                                "history", reason="nothing_to_undo")

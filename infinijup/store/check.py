@@ -31,6 +31,7 @@ from .objects import Commit
 from .packs import DELTA, PackEntry, decode_payload
 from .reader import ObjectReader
 from .remote_only import remote_only
+from .thinned import thinned
 
 if TYPE_CHECKING:
     from .repository import Repository
@@ -176,8 +177,14 @@ class _Checker:
         self.remote_only = len(set(commits) & set(elsewhere))
         # local commits first: a tree or blob they share with a remote-only one is then
         # checked down to its chunks
+        try:
+            gone = thinned(self.repo)
+        except StoreError as exc:
+            self.problems.append(str(exc))
+            gone = {}
         for cid, commit in sorted(commits.items(), key=lambda kv: kv[0] in elsewhere):
-            self._tree(commit.tree, f"commit {cid}", cid not in elsewhere)
+            if cid not in gone:  # a thinned commit keeps no trees (thinned.py)
+                self._tree(commit.tree, f"commit {cid}", cid not in elsewhere)
 
     def _tree(self, tree_id: str, via: str, local: bool = True) -> None:
         if tree_id in self.trees:

@@ -36,6 +36,7 @@ from .index import Location
 from .objects import CHUNK, Commit, TreeEntry, hash_bytes
 from .packs import DELTA, ZSTD, pack_path, pwritev_all
 from .reader import ObjectReader
+from .thinned import refuse_thinned
 from .writer import default_threads
 
 if TYPE_CHECKING:
@@ -63,6 +64,7 @@ def checkout_dir(repo: Repository, ref: str, path: str | os.PathLike[str], *,
     partial checkout.
     """
     commit = repo.get_commit(ref)
+    refuse_thinned(repo, commit.id)
     target = Path(path)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise CheckoutTargetNotEmpty(f"{target} exists and is not an empty directory")

@@ -6,6 +6,7 @@ against or writing anything gc decides about):
 plan
     mark every commit reachable from a thread tip (or from a commit the caller names in
     ``keep``: one a kernel stands on, space.py), and every tree, blob and chunk they use
+    (none for a thinned commit, thinned.py: its commit file alone stays)
     (a remote-only commit's trees and blobs only: its chunks are on a remote, remote_only.py),
     and the sources of every page-delta chunk among them (refusing to go on if any of it is
     missing or damaged: run check); sort packs into
@@ -31,6 +32,7 @@ from .objects import Commit
 from .packs import DELTA, PackWriter, decode_payload, pack_path
 from .reader import ObjectReader
 from .remote_only import remote_only
+from .thinned import thinned
 
 if TYPE_CHECKING:
     from .repository import Repository
@@ -92,8 +94,10 @@ def _plan(repo: Repository, keep: set[str]) -> _Plan:
         stack.extend(reachable[cid].parents)
     live: set[bytes] = set()
     elsewhere = remote_only(repo)
+    gone = thinned(repo)  # their commit files stay (the history), nothing under them
     for commit in sorted(reachable.values(), key=lambda c: c.id in elsewhere):
-        _mark_tree(repo, commit.tree, live, chunks=commit.id not in elsewhere)
+        if commit.id not in gone:
+            _mark_tree(repo, commit.tree, live, chunks=commit.id not in elsewhere)
     _mark_delta_sources(repo, live)
     indexed_live = repo.index.known(list(live))
     if len(indexed_live) != len(live):

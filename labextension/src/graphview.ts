@@ -305,9 +305,11 @@ export class GraphView extends Widget {
             c.stats.gpu_bytes ?? 0
           )})">GPU</span>`
         : '';
-      const autoChip = c.metadata?.auto
-        ? '<span class="jp-Infinijup-chip jp-Infinijup-chip-auto" title="Taken automatically after this cell (Undo goes back through these)">auto</span>'
-        : '';
+      const autoChip = c.thinned
+        ? '<span class="jp-Infinijup-chip jp-Infinijup-chip-auto" title="An automatic snapshot thinned with age: its record stays, its images are gone">thinned</span>'
+        : c.metadata?.auto
+          ? '<span class="jp-Infinijup-chip jp-Infinijup-chip-auto" title="Taken automatically after this cell (Undo goes back through these)">auto</span>'
+          : '';
       const kind = c.message
         ? ''
         : cellLabel(c)

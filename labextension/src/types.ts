@@ -48,6 +48,11 @@ export interface ICommit {
   /** Why not, when `resumable` is false. */
   resumable_reason?: string | null;
   /**
+   * An automatic snapshot thinned with age: it keeps its place in the history,
+   * its images are gone (not restorable).
+   */
+  thinned?: boolean;
+  /**
    * Set on a commit of another notebook (its path): the one this notebook's
    * kernel was resumed from, and its ancestors.
    */

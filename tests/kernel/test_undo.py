@@ -114,3 +114,36 @@ async def test_undo_refuses_with_nothing_to_undo(notebook):
     msg = nb.send_execute("%undo")
     out = await nb.collect(msg)
     assert out["error"] and "nothing to undo" in out["error"], out
+
+
+async def test_old_automatic_snapshots_are_thinned_and_undo_stops_there(notebook, jp_serverapp):
+    """Four automatic snapshots, a window of two: the two oldest keep their place in the
+    history (thinned, not resumable), their restore is refused with the reason, undo goes
+    back to the newest kept one and no further."""
+    import asyncio
+    import time
+
+    from infinijup.store.thinned import thinned
+
+    m = jp_serverapp.web_app.settings["infinijup_manager"]
+    m.autosnapshot_keep = 2
+    nb = notebook
+    await nb.execute("import time")
+    for i in range(1, 5):
+        await nb.execute(SLOW + f"x = {i}")
+    deadline = time.monotonic() + 120
+    while len(thinned(m.repo())) < 2 or m.retention._running:  # the pass after the 4th
+        assert time.monotonic() < deadline, "no thinning"
+        await asyncio.sleep(0.05)
+    commits = await history(nb)
+    autos = [c for c in commits if (c.get("metadata") or {}).get("auto")]
+    assert [c.get("thinned", False) for c in autos] == [False, False, True, True]  # newest first
+    assert autos[3]["resumable"] is False and "thinned" in autos[3]["resumable_reason"]
+    r = await nb.post("restore", {"kernel_id": nb.kernel_id, "commit": autos[3]["id"]})
+    assert r.code == 409 and json.loads(r.body)["reason"] == "commit_thinned", r.body
+    assert await nb.value("x") == 4  # untouched
+    r = await nb.post("undo", {"kernel_id": nb.kernel_id})
+    assert r.code == 200, r.body
+    assert await nb.value("x") == 3
+    r = await nb.post("undo", {"kernel_id": nb.kernel_id})
+    assert r.code == 409 and json.loads(r.body)["reason"] == "nothing_to_undo", r.body
