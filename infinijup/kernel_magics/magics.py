@@ -157,17 +157,22 @@ class InfinijupMagics(Magics):
 
     @line_magic
     def autosnapshot(self, line: str) -> None:
-        """Automatic snapshots after cells (autosnap.py): ``%autosnapshot on|off|status``."""
+        """Automatic snapshots after cells (autosnap.py): ``%autosnapshot on|off|status``;
+        ``on`` may set the rule too: ``%autosnapshot on share=0.1 after=30``."""
         auto = autosnap.instance()
-        word = line.strip().lower() or "status"
+        words = line.strip().lower().split() or ["status"]
         if auto is None:
             raise MagicError("automatic snapshots are not installed in this kernel",
                              reason="not_managed")
-        if word not in ("on", "off", "status"):
-            raise MagicError(f"%autosnapshot takes on, off or status (got {line.strip()!r})",
-                             reason="bad_request")
-        if word != "status":
-            auto.settings.on = word == "on"
+        if words[0] not in ("on", "off", "status") or (words[0] != "on" and len(words) > 1) \
+                or any("=" not in w for w in words[1:]):
+            raise MagicError("%autosnapshot takes on [share=S] [after=SECONDS], off or status "
+                             f"(got {line.strip()!r})", reason="bad_request")
+        if words[0] == "on":
+            auto.settings = autosnap.parse(",".join(
+                [f"share={auto.settings.share}", f"after={auto.settings.after_s}", *words]))
+        elif words[0] == "off":
+            auto.settings.on = False
         print(auto.status())
 
     @line_magic

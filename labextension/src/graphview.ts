@@ -278,6 +278,9 @@ export class GraphView extends Widget {
       if (gpu) {
         el.classList.add('jp-mod-gpu');
       }
+      if (c.metadata?.auto) {
+        el.classList.add('jp-mod-auto'); // quieter: the user's own snapshots stand out
+      }
       const chips: string[] = [];
       for (const name of model.tips.get(c.id) ?? []) {
         chips.push(

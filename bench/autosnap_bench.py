@@ -1,0 +1,179 @@
+"""What automatic snapshots cost a notebook, and undo against a restore (issue 30), through a
+real `jupyter server`, the helper and CRIU, as a notebook meets them.
+
+A notebook written for the bench (not copied from anywhere) that looks like real work: load
+data, reshape it, summarize it, fit a small model by gradient steps, plot-like summaries, and
+quick cells between. It runs twice per working set, on a server with automatic snapshots off,
+then on one with them on (the server's defaults: 5% share, always after 60 s), the same helper
+and store. Printed: the notebook's total time both ways and the overhead; the worst cell (its
+time with snapshots on minus off, over its time off: on a busy machine, mostly the noise of
+quick cells); how many cells were snapshotted, and the largest share a snapshot's pause took of the cell it followed. Then, on the
+"on" kernel: undo to the first answered cell against a restore of
+the same snapshot to the first answered cell (medians of ``--repeat``).
+
+    python bench/autosnap_bench.py [--mib 100 1024] [--repeat 3] [--fit-s 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "tests" / "helper"), str(ROOT / "tests" / "reliability"),
+                str(ROOT / "bench")]
+from benchkit import markdown_table  # noqa: E402
+from helperkit import HelperDaemon, make_base  # noqa: E402
+from reliakit import ServerProcess  # noqa: E402
+from wake_bench import run_cell  # noqa: E402
+
+
+def notebook(mib: int, fit_s: float) -> list[str]:
+    """The cells; the fit runs gradient steps for ``fit_s`` seconds (a long cell: the kind
+    worth a snapshot), the rest take what their work takes."""
+    n = mib * 2**20 // 8  # float64 values
+    return [
+        "import numpy as np, time\nrng = np.random.default_rng(7)",
+        f"data = rng.random({n})  # load",
+        "data.shape, data.dtype",
+        "table = data.reshape(-1, 8)  # reshape into rows of 8 features",
+        "cols = table.mean(axis=0); cols",
+        "order = np.argsort(table[:, 0], kind='stable')  # sort by the first feature",
+        "table = table[order]",
+        "print('rows', len(table))",
+        "w = np.zeros(8)\nsteps = 0\nstop = time.perf_counter() + " + repr(fit_s) + "\n"
+        "while time.perf_counter() < stop:  # fit: gradient steps of a least-squares model\n"
+        "    y = table[:200_000, 0] * 3.0 + 1.0\n"
+        "    grad = table[:200_000].T @ (table[:200_000] @ w - y) / 200_000\n"
+        "    w -= 0.5 * grad\n"
+        "    steps += 1",
+        "w.round(3)",
+        "hist, edges = np.histogram(table[:, 1], bins=50)  # a plot's numbers",
+        "hist.max(), edges[:3]",
+        "resid = table[:200_000] @ w - (table[:200_000, 0] * 3.0 + 1.0)\nfloat(np.abs(resid).mean())",
+        "summary = {'w': w.tolist(), 'rows': len(table)}\nsummary['rows']",
+    ]
+
+
+async def run_notebook(server: ServerProcess, cells: list[str]) -> tuple[str, list[float], object]:
+    kernel_id = server.open_session(f"bench-auto-{uuid.uuid4().hex[:6]}.ipynb")
+    ws = await server.websocket(kernel_id)
+    await run_cell(ws, "1")
+    times = [await run_cell(ws, code) for code in cells]
+    return kernel_id, times, ws
+
+
+def history(server: ServerProcess, kernel_id: str) -> list[dict]:
+    code, body = server.request("GET", f"/infinijup/history?kernel_id={kernel_id}")
+    assert code == 200, body
+    return (json.loads(body) if isinstance(body, (str, bytes)) else body)["commits"]
+
+
+def timed_post(server: ServerProcess, route: str, body: dict) -> dict:
+    code, out = server.request("POST", f"/infinijup/{route}", body)
+    if code != 200:
+        raise RuntimeError(f"{route}: {code} {out}")
+    return json.loads(out) if isinstance(out, (str, bytes)) else out
+
+
+async def undo_against_restore(server, kernel_id, ws, repeat: int) -> tuple[float, float]:
+    undo_s, restore_s = [], []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        moved = timed_post(server, "undo", {"kernel_id": kernel_id})
+        await run_cell(ws, "1")
+        undo_s.append(time.perf_counter() - t0)
+        timed_post(server, "redo", {"kernel_id": kernel_id})
+        await run_cell(ws, "1")
+        t0 = time.perf_counter()
+        timed_post(server, "restore", {"kernel_id": kernel_id, "commit": moved["commit"]})
+        await run_cell(ws, "1")
+        restore_s.append(time.perf_counter() - t0)
+        timed_post(server, "restore", {"kernel_id": kernel_id, "commit": moved["from"]})
+        await run_cell(ws, "1")
+    return statistics.median(undo_s), statistics.median(restore_s)
+
+
+async def main_async(args) -> None:
+    base = make_base()
+    helper = HelperDaemon(base / "helper")
+    (base / "helper").mkdir()
+    helper.__post_init__()
+    helper.start()
+    rows = []
+    try:
+        for mib in args.mib:
+            cells = notebook(mib, args.fit_s)
+            runs = {}
+            for n, on in enumerate((False, True)):
+                server = ServerProcess(base / f"server-{mib}-{n}", helper.socket_path,
+                                       str(base / "store"), base / "notebooks",
+                                       manager_config={"autosnapshot": on})
+                server.start()
+                try:
+                    kernel_id, times, ws = await run_notebook(server, cells)
+                    extra = {}
+                    if on:
+                        autos = [c for c in history(server, kernel_id)
+                                 if (c.get("metadata") or {}).get("auto")]
+                        extra["snapshotted"] = len(autos)
+                        # each automatic snapshot's pause against the cell it followed
+                        shares = []
+                        for c in autos:
+                            count = ((c.get("metadata") or {}).get("cell") or {}).get(
+                                "execution_count")
+                            if isinstance(count, int) and 2 <= count <= len(times) + 1:
+                                cell_s = times[count - 2] - c["stats"]["pause_s"]
+                                shares.append(c["stats"]["pause_s"] / cell_s)
+                        extra["pause_share"] = max(shares) if shares else None
+                        if autos:
+                            extra["undo"], extra["restore"] = await undo_against_restore(
+                                server, kernel_id, ws, args.repeat)
+                    ws.close()
+                    server.request("DELETE", f"/api/kernels/{kernel_id}")
+                finally:
+                    server.stop()
+                runs[on] = (times, extra)
+            off, (on_times, extra) = runs[False][0], runs[True]
+            share = max((b - a) / a for a, b in zip(off, on_times, strict=True) if a > 0)
+            row = {"set": f"{mib} MiB", "cells": str(len(cells)),
+                   "off": f"{sum(off):.2f} s", "on": f"{sum(on_times):.2f} s",
+                   "overhead": f"{(sum(on_times) / sum(off) - 1) * 100:+.1f}%",
+                   "worst": f"{share * 100:+.0f}%",
+                   "pause": "-" if extra.get("pause_share") is None
+                   else f"{extra['pause_share'] * 100:.1f}%",
+                   "snapshotted": str(extra.get("snapshotted", 0)),
+                   "undo": f"{extra['undo']:.2f} s" if "undo" in extra else "-",
+                   "restore": f"{extra['restore']:.2f} s" if "restore" in extra else "-"}
+            rows.append(row)
+            print(row, flush=True)
+    finally:
+        helper.stop()
+        shutil.rmtree(base, ignore_errors=True)
+    print(markdown_table(rows, [("set", "working set"), ("cells", "cells"),
+                                ("off", "notebook, snapshots off"), ("on", "on"),
+                                ("overhead", "overhead"),
+                                ("worst", "worst cell (on vs off)"),
+                                ("snapshotted", "cells snapshotted"),
+                                ("pause", "largest pause / its cell"),
+                                ("undo", "undo to first cell"),
+                                ("restore", "restore of the same, to first cell")]))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mib", type=int, nargs="*", default=[100, 1024])
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--fit-s", type=float, default=20.0, help="seconds of the long fit cell")
+    asyncio.run(main_async(p.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
