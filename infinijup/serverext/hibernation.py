@@ -195,7 +195,8 @@ class Hibernation:
         turn = await self.lifecycle.begin(kernel_id, RELEASING)
         self.rests[kernel_id] = rest = Rest()
         event = Operation("release", kernel_id)
-        root = getattr(km.provisioner, "root_pid", None)  # another one: it died, was restarted
+        # its process now (another one after: it died, and was restarted)
+        root = getattr(getattr(km, "provisioner", None), "root_pid", None)
         try:
             rest.vram = await m.gpu_held(kernel_id)
             # its GPU memory goes to host memory: only if that holds it (room_plan.py)
@@ -206,7 +207,7 @@ class Hibernation:
                 raise Conflict(why, reason="no_host_memory")
             detail = await self._release_steps(kernel_id, rest)
         except BaseException as exc:
-            prov = km.provisioner
+            prov = getattr(km, "provisioner", None)
             if isinstance(exc, Exception) and hasattr(prov, "has_live_process") and (
                     prov.root_pid != root or not prov.has_live_process()):
                 # the driver's own words ("CUDA unlock failed: NOT_INITIALIZED") hide the cause
