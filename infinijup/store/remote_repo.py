@@ -131,15 +131,23 @@ class RemoteRepo:
         if self.key is None:
             self.bucket.download(name, dest)
             return
-        with open(dest, "wb") as f:
-            writer = self.key.writer("packs", name, f)
-            try:
-                self.bucket.download_stream(name, writer)
+        # The sealed copy lands whole first (boto3's ranged parallel download to a file; its
+        # in-order path for non-seekable targets can stall on large objects), then is opened
+        # into ``dest`` and removed.
+        sealed = dest.with_name(dest.name + ".sealed")
+        try:
+            self.bucket.download(name, sealed)
+            with open(sealed, "rb") as src, open(dest, "wb") as f:
+                writer = self.key.writer("packs", name, f)
+                for block in iter(lambda: src.read(8 << 20), b""):
+                    writer.write(block)
                 writer.close()
-            except NotAuthentic as exc:
-                raise RemoteCorrupt(f"pack {pack} on {self.url} (object {name}) does not "
-                                    f"authenticate ({exc}): {_FORGED}; nothing was restored"
-                                    ) from None
+        except NotAuthentic as exc:
+            raise RemoteCorrupt(f"pack {pack} on {self.url} (object {name}) does not "
+                                f"authenticate ({exc}): {_FORGED}; nothing was restored"
+                                ) from None
+        finally:
+            sealed.unlink(missing_ok=True)
 
     # -- commits and manifests -------------------------------------------------------------
     def commits_present(self, ids: Iterable[str]) -> set[str]:

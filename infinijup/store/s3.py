@@ -210,12 +210,6 @@ class S3Bucket:
             self.client.upload_fileobj(stream, self.url.bucket, self.key(name),
                                        Config=self.transfer)
 
-    def download_stream(self, name: str, stream: Any) -> None:
-        """Download ``name`` into a writable, non-seekable file-like object (in order)."""
-        with self._errors(f"downloading {name}"):
-            self.client.download_fileobj(self.url.bucket, self.key(name), stream,
-                                         Config=self.transfer)
-
     def download(self, name: str, path: Path) -> None:
         """Download ``name`` to ``path`` (ranged parallel GETs when large)."""
         with self._errors(f"downloading {name}"):
