@@ -268,6 +268,9 @@ def _client_env(server: S3Server, tmp: Path, **extra: str) -> dict[str, str]:
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         env.pop(name)
     env["PYTHONPATH"] = str(ROOT)
+    # A throwaway bucket of the test's own: pushed in the clear, said so (an encrypted remote
+    # needs a key the pod gets from a secret: $INFINIJUP_STORE_PASSWORD_FILE, docs/store.md)
+    env["INFINIJUP_REMOTE_UNENCRYPTED"] = "1"
     return env
 
 
@@ -298,6 +301,7 @@ def test_a_home_without_a_store_gets_it_back_from_the_remote(
         s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from infinijup.store import Repository
     from infinijup.store.check import check
+    from infinijup.store.keys import Credentials
     from infinijup.store.remote import push
 
     bucket = "ij-deploy-restore"
@@ -317,7 +321,7 @@ def test_a_home_without_a_store_gets_it_back_from_the_remote(
             "nb-analysis": _commit(a, tmp_path, "nb-analysis", 2)}
     tips["main"] = _commit(a, tmp_path, "main", 3)
     _use_env(monkeypatch, env)
-    push(a, url)
+    push(a, url, creds=Credentials(unencrypted=True))  # as the pods' env says (above)
     a.close()
 
     done = _restore(env)
@@ -339,6 +343,7 @@ def test_a_clone_cut_short_is_finished_on_the_next_start(s3: S3Server, tmp_path:
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     from infinijup.store import Repository
     from infinijup.store.check import check
+    from infinijup.store.keys import Credentials
     from infinijup.store.remote import pull, push
 
     bucket = "ij-deploy-resume"
@@ -347,7 +352,7 @@ def test_a_clone_cut_short_is_finished_on_the_next_start(s3: S3Server, tmp_path:
     _use_env(monkeypatch, _client_env(s3, tmp_path))
     a = Repository.init(tmp_path / "a", pack_size=1 << 20)
     tips = {"main": _commit(a, tmp_path, "main", 4), "other": _commit(a, tmp_path, "other", 5)}
-    push(a, url)
+    push(a, url, creds=Credentials(unencrypted=True))  # as the pods' env says (above)
     a.close()
 
     # a start that was cut after the first thread: the marker and a store with one thread
