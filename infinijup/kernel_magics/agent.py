@@ -120,15 +120,16 @@ def autosnapshot(on: bool | None = None) -> str:
     """Turn this kernel's automatic snapshots on or off (None: leave them); what they are."""
     from . import autosnap
 
+    ip = _shell()
     auto = autosnap.instance()
     if auto is None:
-        return json.dumps({"installed": False})
+        return _answer(ip, {"installed": False})
     if on is not None:
         auto.settings.on = bool(on)
     s = auto.settings
-    return json.dumps({"installed": True, "on": s.on, "share": s.share, "after_s": s.after_s,
-                       "taken": auto.taken, "skipped": auto.skipped, "failures": auto.failures,
-                       "last_error": auto.last_error})
+    return _answer(ip, {"installed": True, "on": s.on, "share": s.share, "after_s": s.after_s,
+                        "taken": auto.taken, "skipped": auto.skipped,
+                        "failures": auto.failures, "last_error": auto.last_error})
 
 
 def expression(name: str, *args: object) -> str:
