@@ -460,37 +460,37 @@ const plugin: JupyterFrontEndPlugin<void> = {
           }
         : null;
     };
-    commands.addCommand(CommandIDs.undo, {
-      label: 'Undo Last Cell',
-      caption:
-        'Bring the kernel back to its state before the last cell that changed it (Redo returns)',
-      isEnabled: args => {
-        const t = undoTarget(args);
-        return !!t && !undoActions.isBusy(t.kernelId);
-      },
-      execute: async args => {
-        const t = undoTarget(args);
-        if (t) {
-          await undoActions.undo(t.kernelId, t.label);
-          model.scheduleRefresh();
+    const moves = [
+      [
+        CommandIDs.undo,
+        'undo',
+        'Undo Last Cell',
+        'Bring the kernel back to its state before the last cell that changed it (Redo returns)'
+      ],
+      [
+        CommandIDs.redo,
+        'redo',
+        'Redo Cell',
+        'Return to where the last Undo left'
+      ]
+    ] as const;
+    for (const [id, what, label, caption] of moves) {
+      commands.addCommand(id, {
+        label,
+        caption,
+        isEnabled: args => {
+          const t = undoTarget(args);
+          return !!t && !undoActions.isBusy(t.kernelId);
+        },
+        execute: async args => {
+          const t = undoTarget(args);
+          if (t) {
+            await undoActions[what](t.kernelId, t.label);
+            model.scheduleRefresh();
+          }
         }
-      }
-    });
-    commands.addCommand(CommandIDs.redo, {
-      label: 'Redo Cell',
-      caption: 'Return to where the last Undo left',
-      isEnabled: args => {
-        const t = undoTarget(args);
-        return !!t && !undoActions.isBusy(t.kernelId);
-      },
-      execute: async args => {
-        const t = undoTarget(args);
-        if (t) {
-          await undoActions.redo(t.kernelId, t.label);
-          model.scheduleRefresh();
-        }
-      }
-    });
+      });
+    }
     undoActions.changed.connect(refreshCommands);
     app.docRegistry.addWidgetExtension(
       'Notebook',
