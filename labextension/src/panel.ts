@@ -44,6 +44,7 @@ import type { HistoryModel } from './model';
 import type { INotifier } from './progress';
 import { InfinijupClient } from './request';
 import { Confirm, spaceLine, SpaceActions } from './restActions';
+import { TimelineView } from './timelineView';
 import { ICommit, IVariableInfo, PHASE_LABELS } from './types';
 
 /** JupyterLab's command that opens the kernel selector of a notebook. */
@@ -100,6 +101,15 @@ export class HistoryPanel extends Panel {
       }
     });
     toolbar.addItem('collapse', this._fold);
+    this._cellsToggle = new Widget();
+    this._cellsToggle.addClass('jp-Infinijup-cells-toggle');
+    this._cellsToggle.node.innerHTML =
+      '<label title="One row per cell along the kernel\'s path (automatic snapshots folded), instead of the graph of every thread"><input type="checkbox"> Cells</label>';
+    this._cellsInput = this._cellsToggle.node.querySelector('input')!;
+    this._cellsInput.addEventListener('change', () =>
+      this.showCells(this._cellsInput.checked)
+    );
+    toolbar.addItem('cells', this._cellsToggle);
     toolbar.addItem(
       'refresh',
       new CommandToolbarButton({
@@ -139,6 +149,14 @@ export class HistoryPanel extends Panel {
     this.addWidget(this.graph);
     // The row a context menu opened on (its commands act on that snapshot).
     this.graph.node.addEventListener('contextmenu', this._onContextMenu, true);
+    this.timeline = new TimelineView(this.model);
+    this.timeline.hide();
+    this.addWidget(this.timeline);
+    this.timeline.node.addEventListener(
+      'contextmenu',
+      this._onContextMenu,
+      true
+    );
     this._commandsAdded = this._addCommands();
 
     this.model.changed.connect(this._onModelChanged, this);
@@ -149,6 +167,27 @@ export class HistoryPanel extends Panel {
 
   readonly model: HistoryModel;
   readonly graph: GraphView;
+  /** The per-cell timeline, shown in place of the graph by "Cells". */
+  readonly timeline: TimelineView;
+
+  /** Whether the per-cell timeline is shown (else the graph). */
+  get cellsShown(): boolean {
+    return !this.timeline.isHidden;
+  }
+
+  /** Show the per-cell timeline (true) or the graph (false). */
+  showCells(on: boolean): void {
+    this._cellsInput.checked = on;
+    this._foldInput.disabled = on;
+    if (on) {
+      this.graph.hide();
+      this.timeline.show();
+      this.timeline.render();
+    } else {
+      this.timeline.hide();
+      this.graph.show();
+    }
+  }
 
   /** The notebook whose history is shown. */
   get notebook(): NotebookPanel | null {
@@ -905,6 +944,8 @@ export class HistoryPanel extends Panel {
   private _notebookLabel: HTMLElement;
   private _fold: Widget;
   private _foldInput: HTMLInputElement;
+  private _cellsToggle: Widget;
+  private _cellsInput: HTMLInputElement;
   private _search: Widget;
   private _searchInput: HTMLInputElement;
   private _searchCount: HTMLElement;

@@ -367,4 +367,58 @@ describe('HistoryPanel', () => {
     expect(model.collapse).toBe(false);
     expect(box.checked).toBe(false);
   });
+
+  it('shows one row per cell with Cells, and a row selects its snapshot (issue 30)', async () => {
+    const { panel, model } = setup(fakeKernel('k1'));
+    await flush();
+    const box = panel.node.querySelector<HTMLInputElement>(
+      '.jp-Infinijup-cells-toggle input'
+    )!;
+    box.checked = true;
+    box.dispatchEvent(new Event('change'));
+    await flush();
+    expect(panel.cellsShown).toBe(true);
+    expect(panel.graph.isHidden).toBe(true);
+    const rows = () =>
+      Array.from(
+        panel.node.querySelectorAll<HTMLElement>(
+          '.jp-Infinijup-timeline [data-commit-id]'
+        )
+      );
+    // HEAD is at a (restored): b and c were undone, Redo goes back there.
+    expect(
+      rows().map(r => [
+        r.querySelector('.jp-Infinijup-cell-count')!.textContent,
+        r.classList.contains('jp-mod-ahead'),
+        r.classList.contains('jp-mod-head')
+      ])
+    ).toEqual([
+      ['[3]', true, false],
+      ['[2]', true, false],
+      ['[ ]', false, true]
+    ]);
+    expect(rows()[0].textContent).toContain('model = fit(df)');
+    expect(
+      rows()[0].querySelector('.jp-Infinijup-cell-vars')!.textContent
+    ).toBe('model');
+    rows()[1].click();
+    await flush();
+    expect(model.selected).toBe('b'.repeat(64));
+    expect(rows()[1].classList.contains('jp-mod-selected')).toBe(true);
+    expect(buttons(panel)).toContain('Restore');
+
+    // The search keeps the matching cells only (cell text, variable).
+    const input = panel.node.querySelector<HTMLInputElement>(
+      '.jp-Infinijup-search input'
+    )!;
+    input.value = 'load';
+    input.dispatchEvent(new Event('input'));
+    await flush();
+    expect(rows().map(r => r.dataset.commitId)).toEqual(['b'.repeat(64)]);
+
+    box.checked = false;
+    box.dispatchEvent(new Event('change'));
+    expect(panel.cellsShown).toBe(false);
+    expect(panel.graph.isHidden).toBe(false);
+  });
 });

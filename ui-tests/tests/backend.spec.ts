@@ -19,6 +19,7 @@ import {
   createNotebook,
   execute,
   openHistory,
+  widenRightPanel,
   screenshot,
   toasts,
   waitForKernelIdle
@@ -756,5 +757,88 @@ test.describe('Undo @backend', () => {
       toasts(page).filter({ hasText: 'Redone: back to after' })
     ).toBeVisible({ timeout: OP_TIMEOUT });
     expect(await run(page, 'print(x)')).toBe('2');
+  });
+});
+
+/** Issue 30: the per-cell timeline ("Cells") against the real backend. */
+test.describe('Cells timeline @backend', () => {
+  test('one row per cell that made a snapshot; gaps say which made none; Undo marks the cell undone', async ({
+    page,
+    tmpPath
+  }, testInfo) => {
+    test.setTimeout(4 * OP_TIMEOUT);
+    await infinijupNotebook(page, tmpPath, 'cells');
+    await openHistory(page);
+    await widenRightPanel(page);
+    await page
+      .locator('#infinijup-history .jp-Infinijup-cells-toggle input')
+      .check();
+    const cells = page.locator(
+      '#infinijup-history .jp-Infinijup-timeline [data-commit-id]'
+    );
+    await expect(
+      page.locator('#infinijup-history .jp-Infinijup-timeline-empty')
+    ).toHaveText('No snapshot on this path yet.');
+
+    expect(await run(page, 'a = 1\na')).toBe('1'); // [1]
+    await snapshot(page); // manual
+    await expect(cells).toHaveCount(1, { timeout: OP_TIMEOUT });
+    // Every cell that changes a variable earns one from here on.
+    await run(page, '%autosnapshot on after=0.0001'); // [2]: its own magic, none
+    await run(page, 'b = a + 1'); // [3]
+    await expect(cells).toHaveCount(2, { timeout: OP_TIMEOUT });
+    await run(page, "print('only prints')"); // [4]: changed nothing, none
+    await run(page, 'c = b * 10'); // [5]
+    await expect(cells).toHaveCount(3, { timeout: OP_TIMEOUT });
+
+    const count = cells.locator('.jp-Infinijup-cell-count');
+    await expect(count).toHaveText(['[5]', '[3]', '[1]']);
+    await expect(cells.nth(0)).toHaveClass(/jp-mod-auto/);
+    await expect(cells.nth(0)).toHaveClass(/jp-mod-head/);
+    await expect(cells.nth(0)).toContainText('c = b * 10');
+    await expect(cells.nth(0).locator('.jp-Infinijup-cell-vars')).toHaveText(
+      'c'
+    );
+    await expect(cells.nth(2)).toHaveClass(/jp-mod-manual/);
+    await expect(
+      page.locator('#infinijup-history .jp-Infinijup-cell-gap')
+    ).toHaveText([
+      'cell [4] made no snapshot (too quick, or changed nothing)',
+      'cell [2] made no snapshot (too quick, or changed nothing)'
+    ]);
+    await screenshot(page, testInfo, 'cells-timeline', {
+      clip: { x: 900, y: 0, width: 500, height: 600 }
+    });
+
+    // The search keeps the matching cells (text or variable).
+    const search = page.locator(
+      '#infinijup-history .jp-Infinijup-search input'
+    );
+    await search.fill('a + 1');
+    await expect(count).toHaveText(['[3]']);
+    await search.fill('');
+    await expect(cells).toHaveCount(3);
+
+    // Undo: the kernel stands on [5]'s snapshot, unchanged: back to [3]'s.
+    await page
+      .locator(
+        '.jp-NotebookPanel:not(.lm-mod-hidden) [data-jp-item-name="infinijup-undo"]'
+      )
+      .click();
+    await expect(
+      toasts(page).filter({ hasText: 'Redo brings it back' })
+    ).toContainText('[3] b = a + 1', { timeout: OP_TIMEOUT });
+    await expect(cells.nth(0)).toHaveClass(/jp-mod-ahead/);
+    await expect(cells.nth(0)).toContainText('undone');
+    await expect(cells.nth(1)).toHaveClass(/jp-mod-head/);
+    expect(await run(page, "print(b, 'c' in dir())")).toBe('2 False');
+
+    // A row selects its snapshot; the card restores it.
+    await cells.nth(2).click();
+    await expect(
+      page
+        .locator('#infinijup-history .jp-Infinijup-details')
+        .getByRole('button', { name: 'Restore' })
+    ).toBeVisible();
   });
 });
