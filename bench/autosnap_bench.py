@@ -7,11 +7,20 @@ quick cells between. It runs twice per working set, on a server with automatic s
 then on one with them on (the server's defaults: 5% share, always after 60 s), the same helper
 and store. Printed: the notebook's total time both ways and the overhead; the worst cell (its
 time with snapshots on minus off, over its time off: on a busy machine, mostly the noise of
-quick cells); how many cells were snapshotted, and the largest share a snapshot's pause took of the cell it followed. Then, on the
+quick cells); how many cells were snapshotted, and the largest share a snapshot held the cell it
+followed (that cell's time on minus off: the whole wait, not only the frozen time). Then, on the
 "on" kernel: undo to the first answered cell against a restore of
 the same snapshot to the first answered cell (medians of ``--repeat``).
 
     python bench/autosnap_bench.py [--mib 100 1024] [--repeat 3] [--fit-s 20]
+
+``--session N`` runs instead a session of N quick cells (small changes, a new 1 MiB array every
+tenth cell, a cell that only prints every fifth) with a snapshot after every cell that changed
+something (``%autosnapshot on after=0.0001``) and the window set by ``--keep`` and
+``--keep-mib``; it prints the snapshots taken and kept, the bytes the kept ones hold against
+the budget (what each added to the store), the first snapshot's bytes (a whole image: the base
+the window stands on, not counted in it) and the store's size on disk once the last thinning
+pass is done.
 """
 
 from __future__ import annotations
@@ -124,15 +133,12 @@ async def main_async(args) -> None:
                         autos = [c for c in history(server, kernel_id)
                                  if (c.get("metadata") or {}).get("auto")]
                         extra["snapshotted"] = len(autos)
-                        # each automatic snapshot's pause against the cell it followed
-                        shares = []
-                        for c in autos:
-                            count = ((c.get("metadata") or {}).get("cell") or {}).get(
-                                "execution_count")
-                            if isinstance(count, int) and 2 <= count <= len(times) + 1:
-                                cell_s = times[count - 2] - c["stats"]["pause_s"]
-                                shares.append(c["stats"]["pause_s"] / cell_s)
-                        extra["pause_share"] = max(shares) if shares else None
+                        # the cells that were followed by one (their index in ``cells``)
+                        extra["cells"] = [
+                            count - 2 for c in autos
+                            if isinstance(count := ((c.get("metadata") or {}).get("cell") or {})
+                                          .get("execution_count"), int)
+                            and 2 <= count <= len(times) + 1]
                         if autos:
                             extra["undo"], extra["restore"] = await undo_against_restore(
                                 server, kernel_id, ws, args.repeat)
@@ -143,6 +149,10 @@ async def main_async(args) -> None:
                 runs[on] = (times, extra)
             off, (on_times, extra) = runs[False][0], runs[True]
             share = max((b - a) / a for a, b in zip(off, on_times, strict=True) if a > 0)
+            # what a snapshot held its cell: that cell's time with snapshots on minus off (the
+            # fit runs for a fixed time, so for it the difference is the snapshot's alone)
+            held = [(on_times[i] - off[i]) / off[i] for i in extra.get("cells", []) if off[i] > 0]
+            extra["pause_share"] = max(held) if held else None
             row = {"set": f"{mib} MiB", "cells": str(len(cells)),
                    "off": f"{sum(off):.2f} s", "on": f"{sum(on_times):.2f} s",
                    "overhead": f"{(sum(on_times) / sum(off) - 1) * 100:+.1f}%",
@@ -162,9 +172,68 @@ async def main_async(args) -> None:
                                 ("overhead", "overhead"),
                                 ("worst", "worst cell (on vs off)"),
                                 ("snapshotted", "cells snapshotted"),
-                                ("pause", "largest pause / its cell"),
+                                ("pause", "largest hold / its cell"),
                                 ("undo", "undo to first cell"),
                                 ("restore", "restore of the same, to first cell")]))
+
+
+def session_cells(n: int) -> list[str]:
+    cells = ["import numpy as np\nlog = []\ntotal = 0\n%autosnapshot on after=0.0001"]
+    for i in range(1, n):
+        if i % 10 == 0:
+            cells.append(f"blob{i % 70} = np.random.default_rng({i}).random(131072)  # 1 MiB")
+        elif i % 5 == 4:
+            cells.append("print(len(log), total)")
+        else:
+            cells.append(f"log.append({i})\ntotal += {i}")
+    return cells
+
+
+def du(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+async def session(args, base: Path, helper) -> None:  # noqa: ANN001 - HelperDaemon
+    budget = args.keep_mib * 2**20
+    store = base / "store-session"
+    server = ServerProcess(base / "server-session", helper.socket_path, str(store),
+                           base / "notebooks",
+                           manager_config={"autosnapshot": True, "autosnapshot_keep": args.keep,
+                                           "autosnapshot_keep_bytes": budget,
+                                           "hot_tier_bytes": 0})
+    server.start()
+    try:
+        cells = session_cells(args.session)
+        t0 = time.perf_counter()
+        kernel_id, times, ws = await run_notebook(server, cells)
+        took = time.perf_counter() - t0
+        # the last thinning pass: wait until the kept window stops changing
+        seen, stable = None, 0
+        while stable < 3:
+            commits = history(server, kernel_id)
+            autos = [c for c in commits if (c.get("metadata") or {}).get("auto")]
+            kept = [c for c in autos if not c.get("thinned")]
+            now = (len(autos), len(kept))
+            stable = stable + 1 if now == seen else 0
+            seen = now
+            await asyncio.sleep(2)
+        kept_bytes = sum(int(c["stats"].get("stored_bytes") or 0) for c in kept)
+        # the session's first snapshot stored a whole image: the base the window stands on
+        first = min(autos, key=lambda c: c["created"])
+        full = int(first["stats"].get("stored_bytes") or 0)
+        pauses = [c["stats"]["pause_s"] for c in autos if c.get("stats", {}).get("pause_s")]
+        ws.close()
+        server.request("DELETE", f"/api/kernels/{kernel_id}")
+    finally:
+        server.stop()
+    row = {"cells": str(len(cells)), "took": f"{took:.0f} s",
+           "median cell": f"{statistics.median(times) * 1000:.0f} ms",
+           "taken": str(len(autos)), "kept": f"{len(kept)} (keep {args.keep})",
+           "kept bytes": f"{kept_bytes / 2**20:.1f} MiB (budget {args.keep_mib} MiB)",
+           "pause": f"{statistics.median(pauses):.2f} s" if pauses else "-",
+           "full image": f"{full / 2**20:.1f} MiB",
+           "store": f"{du(store) / 2**20:.1f} MiB"}
+    print(markdown_table([row], [(k, k) for k in row]))
 
 
 def main() -> None:
@@ -172,7 +241,25 @@ def main() -> None:
     p.add_argument("--mib", type=int, nargs="*", default=[100, 1024])
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--fit-s", type=float, default=20.0, help="seconds of the long fit cell")
-    asyncio.run(main_async(p.parse_args()))
+    p.add_argument("--session", type=int, default=0,
+                   help="run a session of this many quick cells instead (the disk aim)")
+    p.add_argument("--keep", type=int, default=100, help="with --session: snapshots kept")
+    p.add_argument("--keep-mib", type=int, default=64, help="with --session: their bytes")
+    args = p.parse_args()
+    asyncio.run(session_main(args) if args.session else main_async(args))
+
+
+async def session_main(args) -> None:
+    base = make_base()
+    helper = HelperDaemon(base / "helper")
+    (base / "helper").mkdir()
+    helper.__post_init__()
+    helper.start()
+    try:
+        await session(args, base, helper)
+    finally:
+        helper.stop()
+        shutil.rmtree(base, ignore_errors=True)
 
 
 if __name__ == "__main__":

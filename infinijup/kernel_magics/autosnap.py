@@ -9,9 +9,9 @@ The rule (:func:`decide`), for a cell that ran ``cell_s`` seconds:
 * never when the cell changed nothing you can see: no variable changed, appeared or went
   (the fingerprints of describe.py, compared with the last snapshot's).
 
-The predicted pause is the pause this kernel's last snapshot took (any snapshot: ``%snapshot``,
-an automatic one, one the server asked for), and before the first one a guess from the
-process's memory. The snapshot itself is the one ``%snapshot`` takes (snapshot_call.py),
+The predicted pause is what this kernel's last snapshot from inside it (``%snapshot`` or an
+automatic one) held the cell: describing, quiescing, the dump (longer than the frozen time the
+server reports as ``pause_s``); before the first one a guess from the process's memory. The snapshot itself is the one ``%snapshot`` takes (snapshot_call.py),
 marked ``auto``; the cell's answer waits only for the dump, never for the store.
 
 A failure (helper down, store full) never fails the cell: it is said once, in the cell's
@@ -151,9 +151,7 @@ class AutoSnapshots:
             return
         self.taken += 1
         self._said_error = False
-        pause = (result.get("stats") or {}).get("pause_s")
-        if isinstance(pause, (int, float)):
-            self.last_pause_s = float(pause)
+        self.last_pause_s = float(result["held_s"])
 
     def status(self) -> str:
         s = self.settings

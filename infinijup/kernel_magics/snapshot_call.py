@@ -8,6 +8,7 @@ from this snapshot resumes here, in the same wait, and goes on from the same ans
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable
 
@@ -15,6 +16,9 @@ from . import describe, hooks
 from .server_client import ServerError, kernel_id, request, wait_result
 
 SNAPSHOT_TIMEOUT_S = 3600.0
+# A kernel restored from its own snapshot wakes in the same wait: a wait this much longer than
+# the dump's pause was a restore, not the snapshot's cost
+RESTORED_AFTER_S = 60.0
 # The server refuses for now, not for good: the kernel is being moved (hibernated, restored,
 # snapshotted by someone else), or asked to wait
 REFUSED_FOR_NOW = ("operation_running", "kernel_hibernated", "kernel_busy", "cancelled")
@@ -28,6 +32,7 @@ def take(shell, *, message: str = "", thread: str | None = None, wait: bool = Fa
          auto: bool = False, skip_if: Callable[[dict], bool] | None = None) -> dict | None:
     """Snapshot this kernel; the server's answer plus ``request_id``. ``skip_if(description)``
     True: nothing is taken (None), before any quiesce hook runs."""
+    t0 = time.perf_counter()
     described = False
     metadata: dict = {}
     if skip_if is not None:  # described first: a cell that changed nothing costs no quiesce
@@ -76,7 +81,13 @@ def take(shell, *, message: str = "", thread: str | None = None, wait: bool = Fa
         hooks.run_resume(False)
     if "commit" in result:
         describe.committed()
+    # what the cell waited: describing, quiescing, asking, the dump (longer than the frozen
+    # time the server reports as pause_s); the next automatic snapshot is predicted from it
+    held_s = time.perf_counter() - t0
+    pause_s = (result.get("stats") or {}).get("pause_s")
+    if isinstance(pause_s, (int, float)) and held_s > pause_s + RESTORED_AFTER_S:
+        held_s = float(pause_s)  # restored from this snapshot: that wait was the store's
     from .autosnap import noted_pause
 
-    noted_pause((result.get("stats") or {}).get("pause_s"))
-    return {**result, "request_id": request_id}
+    noted_pause(held_s)
+    return {**result, "request_id": request_id, "held_s": held_s}
