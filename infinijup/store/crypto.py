@@ -17,13 +17,13 @@ A sealed object (``MAGIC`` + salt + segments) is cut into segments of ``SEGMENT`
 bytes, each sealed with the nonce ``counter (11 bytes, big-endian) || last flag`` (the STREAM
 construction, as in age): reordered, dropped or truncated segments do not open, and the last
 segment is marked, so a truncated object is refused. Large objects (packs) are sealed and
-opened as streams (``EncryptingReader``, ``DecryptingWriter``), never held in memory.
+opened as streams (``EncryptingReader``; ``SegmentOpener`` opens ranges of segments fetched
+in parallel), never held in memory.
 """
 
 from __future__ import annotations
 
 import os
-from typing import BinaryIO
 
 import blake3
 from cryptography.exceptions import InvalidTag
@@ -35,7 +35,8 @@ TAG = 16
 SEGMENT = 1 << 20  # plaintext bytes per sealed segment
 KEY_BYTES = 32
 REPO_ID_BYTES = 16
-_HEAD = len(MAGIC) + SALT
+HEAD = len(MAGIC) + SALT  # magic and salt, before the first segment
+STEP = SEGMENT + TAG  # sealed bytes per full segment
 _CONTEXT = "infinijup remote 2026-11 {} key"
 
 
@@ -46,7 +47,7 @@ class NotAuthentic(Exception):
 
 def sealed_size(n: int) -> int:
     """The size of a sealed object of ``n`` plaintext bytes."""
-    return _HEAD + n + TAG * max(1, -(-n // SEGMENT))
+    return HEAD + n + TAG * max(1, -(-n // SEGMENT))
 
 
 def _nonce(i: int, last: bool) -> bytes:
@@ -87,15 +88,14 @@ class RepoKey:
 
     def open(self, kind: str, name: str, blob: bytes) -> bytes:
         """The plaintext of a sealed object; NotAuthentic if it does not open."""
-        if len(blob) < _HEAD + TAG or blob[:len(MAGIC)] != MAGIC:
+        if len(blob) < HEAD + TAG or blob[:len(MAGIC)] != MAGIC:
             raise NotAuthentic("not a sealed object (too short or bad magic)")
-        aead = self._aead(kind, name, blob[len(MAGIC):_HEAD])
-        body = memoryview(blob)[_HEAD:]
-        step = SEGMENT + TAG
-        count = max(1, -(-len(body) // step))
+        aead = self._aead(kind, name, blob[len(MAGIC):HEAD])
+        body = memoryview(blob)[HEAD:]
+        count = max(1, -(-len(body) // STEP))
         out = []
         for i in range(count):
-            seg = body[i * step:(i + 1) * step]
+            seg = body[i * STEP:(i + 1) * STEP]
             if len(seg) < TAG:
                 raise NotAuthentic("truncated")
             try:
@@ -109,10 +109,10 @@ class RepoKey:
         """A file-like object reading the file at ``path`` sealed (for uploads)."""
         return EncryptingReader(self, kind, name, path)
 
-    def writer(self, kind: str, name: str, out: BinaryIO) -> DecryptingWriter:
-        """A file-like object that opens what is written to it into ``out`` (for downloads);
-        ``close()`` checks the end (NotAuthentic if the object was truncated)."""
-        return DecryptingWriter(self, kind, name, out)
+    def opener(self, kind: str, name: str, head: bytes) -> SegmentOpener:
+        """Opens the segments of the sealed object ``name`` whose first ``HEAD`` bytes are
+        ``head`` (for downloads)."""
+        return SegmentOpener(self, kind, name, head)
 
 
 class EncryptingReader:
@@ -161,58 +161,41 @@ class EncryptingReader:
         self.close()
 
 
-class DecryptingWriter:
-    """Takes a sealed object's bytes in order and writes its plaintext to ``out``; a
-    segment is opened once a following byte shows it is not the last."""
+class SegmentOpener:
+    """Opens the segments of one sealed object in any order (for downloads that fetch
+    ranges of it in parallel): made from the object's first ``HEAD`` bytes; segment ``i``
+    of ``count`` (``segment_count``) starts at ``HEAD + i * STEP`` and its plaintext at
+    ``i * SEGMENT``. Which segment is the last comes from the object's size, so a
+    truncated object fails on its (no longer marked) last segment."""
 
-    def __init__(self, key: RepoKey, kind: str, name: str, out: BinaryIO) -> None:
-        self._key, self._kind, self._name = key, kind, name
-        self._out = out
-        self._aead: AESGCM | None = None
-        self._buf = bytearray()
-        self._next = 0
+    def __init__(self, key: RepoKey, kind: str, name: str, head: bytes) -> None:
+        if len(head) < HEAD or head[:len(MAGIC)] != MAGIC:
+            raise NotAuthentic("not a sealed object (too short or bad magic)")
+        self._aead = key._aead(kind, name, bytes(head[len(MAGIC):HEAD]))
 
-    def seekable(self) -> bool:
-        return False
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: bytes) -> int:
-        self._buf += data  # at most one segment stays buffered
-        if self._aead is None:
-            if len(self._buf) < _HEAD:
-                return len(data)
-            if self._buf[:len(MAGIC)] != MAGIC:
-                raise NotAuthentic("not a sealed object (bad magic)")
-            self._aead = self._key._aead(self._kind, self._name,
-                                         bytes(self._buf[len(MAGIC):_HEAD]))
-            del self._buf[:_HEAD]
-        step = SEGMENT + TAG
-        done = 0
-        with memoryview(self._buf) as view:
-            while len(view) - done > step:
-                self._open(view[done:done + step], last=False)
-                done += step
-        if done:
-            del self._buf[:done]
-        return len(data)
-
-    def _open(self, seg: memoryview, last: bool) -> None:
-        assert self._aead is not None
-        try:
-            plain = self._aead.decrypt(_nonce(self._next, last), seg, None)
-        except InvalidTag:
-            raise NotAuthentic(f"segment {self._next} does not authenticate") from None
-        self._out.write(plain)
-        self._next += 1
-
-    def close(self) -> None:
-        """Open the last segment (NotAuthentic when the object ended early)."""
-        if self._aead is None or len(self._buf) < TAG:
+    def open(self, i: int, count: int, seg: bytes | memoryview) -> bytes:
+        """The plaintext of segment ``i`` of ``count``; NotAuthentic if it does not open."""
+        if len(seg) < TAG:
             raise NotAuthentic("truncated")
-        self._open(memoryview(self._buf), last=True)
-        self._buf = bytearray()
+        try:
+            return self._aead.decrypt(_nonce(i, i == count - 1), seg, None)
+        except InvalidTag:
+            raise NotAuthentic(f"segment {i} does not authenticate") from None
+
+
+def segment_count(sealed: int) -> int:
+    """How many segments a sealed object of ``sealed`` bytes has (NotAuthentic when no
+    sealed object has that size: cut inside a header or a tag)."""
+    body = sealed - HEAD
+    count = max(1, -(-body // STEP))
+    if body < TAG or body - (count - 1) * STEP < TAG:
+        raise NotAuthentic("truncated")
+    return count
+
+
+def plain_size(sealed: int) -> int:
+    """The plaintext size of a sealed object of ``sealed`` bytes."""
+    return sealed - HEAD - TAG * segment_count(sealed)
 
 
 def random_key() -> bytes:
@@ -220,5 +203,5 @@ def random_key() -> bytes:
     return os.urandom(KEY_BYTES)
 
 
-__all__ = ["KEY_BYTES", "NotAuthentic", "REPO_ID_BYTES", "RepoKey", "random_key",
-           "sealed_size"]
+__all__ = ["HEAD", "KEY_BYTES", "NotAuthentic", "REPO_ID_BYTES", "STEP", "RepoKey",
+           "SegmentOpener", "plain_size", "random_key", "sealed_size", "segment_count"]

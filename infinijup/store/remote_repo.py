@@ -37,6 +37,7 @@ from .errors import (
 from .keys import Credentials, Unlocked, read_config, unlock
 from .objects import is_hex_id
 from .s3 import S3Bucket
+from .sealed_fetch import fetch_sealed
 
 _FORGED = "damaged, truncated, swapped or from another repository"
 
@@ -131,23 +132,12 @@ class RemoteRepo:
         if self.key is None:
             self.bucket.download(name, dest)
             return
-        # The sealed copy lands whole first (boto3's ranged parallel download to a file; its
-        # in-order path for non-seekable targets can stall on large objects), then is opened
-        # into ``dest`` and removed.
-        sealed = dest.with_name(dest.name + ".sealed")
         try:
-            self.bucket.download(name, sealed)
-            with open(sealed, "rb") as src, open(dest, "wb") as f:
-                writer = self.key.writer("packs", name, f)
-                for block in iter(lambda: src.read(8 << 20), b""):
-                    writer.write(block)
-                writer.close()
+            fetch_sealed(self.bucket, self.key, "packs", name, dest)
         except NotAuthentic as exc:
             raise RemoteCorrupt(f"pack {pack} on {self.url} (object {name}) does not "
                                 f"authenticate ({exc}): {_FORGED}; nothing was restored"
                                 ) from None
-        finally:
-            sealed.unlink(missing_ok=True)
 
     # -- commits and manifests -------------------------------------------------------------
     def commits_present(self, ids: Iterable[str]) -> set[str]:

@@ -210,6 +210,44 @@ class S3Bucket:
             self.client.upload_fileobj(stream, self.url.bucket, self.key(name),
                                        Config=self.transfer)
 
+    def read_range(self, name: str, start: int, stop: int, piece: int
+                   ) -> Iterator[tuple[bytes, int]]:
+        """Bytes ``start`` to ``stop`` (exclusive) of ``name`` in pieces of ``piece`` bytes
+        (the last one shorter when the object ends first; none when it ends before
+        ``start``), each with the object's whole size; RemoteNotFound when it does not
+        exist."""
+        import botocore.exceptions as bx
+
+        with self._errors(f"reading {name}"):
+            try:
+                r = self.client.get_object(Bucket=self.url.bucket, Key=self.key(name),
+                                           Range=f"bytes={start}-{stop - 1}")
+            except bx.ClientError as exc:
+                code = exc.response.get("Error", {}).get("Code")
+                if code in ("NoSuchKey", "404"):
+                    raise RemoteNotFound(f"{name} is not on {self.where}") from None
+                if code == "InvalidRange":  # the object ends before ``start``
+                    return
+                raise
+            total = int(str(r["ContentRange"]).rsplit("/", 1)[1])
+            body = r["Body"]
+            try:
+                while True:
+                    parts, have = [], 0
+                    while have < piece:
+                        got = body.read(piece - have)
+                        if not got:
+                            break
+                        parts.append(got)
+                        have += len(got)
+                    if not have:
+                        return
+                    yield b"".join(parts) if len(parts) != 1 else parts[0], total
+                    if have < piece:
+                        return
+            finally:
+                body.close()
+
     def download(self, name: str, path: Path) -> None:
         """Download ``name`` to ``path`` (ranged parallel GETs when large)."""
         with self._errors(f"downloading {name}"):

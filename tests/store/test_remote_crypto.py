@@ -28,7 +28,17 @@ from s3server import S3Server, new_bucket, use_remote, weed_binary
 from infinijup.store import Repository
 from infinijup.store.check import check
 from infinijup.store.checkout import checkout_dir
-from infinijup.store.crypto import SEGMENT, TAG, NotAuthentic, RepoKey, sealed_size
+from infinijup.store.crypto import (
+    HEAD,
+    SEGMENT,
+    STEP,
+    TAG,
+    NotAuthentic,
+    RepoKey,
+    plain_size,
+    sealed_size,
+    segment_count,
+)
 from infinijup.store.errors import (
     RemoteCorrupt,
     RemoteKeyError,
@@ -65,12 +75,17 @@ def test_sealed_objects_round_trip_and_streams_agree(n: int, tmp_path: Path) -> 
     with key.reader("packs", "packs/ab/x", tmp_path / "plain") as r:
         streamed = b"".join(iter(lambda: r.read(777_777), b""))
     assert len(streamed) == sealed_size(n)
-    with open(tmp_path / "out", "wb") as f:
-        w = key.writer("packs", "packs/ab/x", f)
-        for i in range(0, len(streamed), 300_001):  # writes cut anywhere
-            w.write(streamed[i:i + 300_001])
-        w.close()
-    assert (tmp_path / "out").read_bytes() == data
+    # opened segment by segment, last first (as parallel ranged downloads do)
+    opener = key.opener("packs", "packs/ab/x", streamed[:HEAD])
+    count = segment_count(len(streamed))
+    assert plain_size(len(streamed)) == n
+    parts = {i: opener.open(i, count, streamed[HEAD + i * STEP:HEAD + (i + 1) * STEP])
+             for i in reversed(range(count))}
+    assert b"".join(parts[i] for i in range(count)) == data
+    if count > 1:  # cut at a segment boundary: the new last segment is not marked last
+        with pytest.raises(NotAuthentic):
+            opener.open(count - 2, count - 1, streamed[HEAD + (count - 2) * STEP:
+                                                       HEAD + (count - 1) * STEP])
     for kind, name in (("commits", "packs/ab/x"), ("packs", "packs/ab/y")):
         with pytest.raises(NotAuthentic):  # another kind or name: another key
             key.open(kind, name, blob)
