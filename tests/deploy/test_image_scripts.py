@@ -377,6 +377,60 @@ def test_a_clone_cut_short_is_finished_on_the_next_start(s3: S3Server, tmp_path:
 
 
 @needs_weed
+def test_a_new_users_remote_is_encrypted_with_the_pods_key(
+        s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """values.yaml gives the pods INFINIJUP_STORE_PASSWORD_FILE: the first start makes the
+    new user's empty remote an encrypted one, so the server's background push goes, and a
+    later start on an empty home clones it back with the same file."""
+    from infinijup.store import Repository
+    from infinijup.store.check import check
+    from infinijup.store.errors import RemoteNotEncrypted
+    from infinijup.store.keys import Credentials, list_slots
+    from infinijup.store.remote import push
+    from infinijup.store.s3 import S3Bucket
+
+    bucket = "ij-deploy-encrypted"
+    s3.make_bucket(bucket)
+    url = f"s3://{bucket}/users/carol"
+    password = tmp_path / "remote-key" / "password"
+    password.parent.mkdir()
+    password.write_text("the pods' remote password\n")
+    store = tmp_path / "home" / "store"
+    env = _client_env(s3, tmp_path, INFINIJUP_REMOTE=url, INFINIJUP_STORE=str(store),
+                      INFINIJUP_STORE_PASSWORD_FILE=str(password))
+    del env["INFINIJUP_REMOTE_UNENCRYPTED"]  # the values' way: encrypted
+
+    done = _restore(env)
+    assert done.returncode == 0, done.stderr
+    assert "an encrypted remote" in done.stderr and "has no thread yet" in done.stderr
+    assert "the pods' remote password" not in done.stderr
+    assert not store.exists()
+    _use_env(monkeypatch, env)
+    assert [s.label for s in list_slots(S3Bucket(url))] == ["pod"]
+
+    # the server's background push, with the pod's key (its environment's, as here)
+    a = Repository.init(tmp_path / "a", pack_size=1 << 20)
+    tip = _commit(a, tmp_path, "main", 6)
+    with pytest.raises(RemoteNotEncrypted):  # what it would be without restore_store.py
+        push(a, f"s3://{bucket}/users/other", creds=Credentials.build(password_file=password))
+    push(a, url, creds=Credentials.build(password_file=password))
+    a.close()
+
+    done = _restore(env)  # a home without the store: cloned, opened with the same file
+    assert done.returncode == 0 and "cloned 1 threads" in done.stderr, done.stderr
+    assert "an encrypted remote" not in done.stderr  # made once
+    b = Repository.open(store)
+    assert b.threads() == {"main": tip} and not check(b, read_data=True).problems
+    b.close()
+
+    no_key = {k: v for k, v in env.items() if k != "INFINIJUP_STORE_PASSWORD_FILE"}
+    shutil.rmtree(store)
+    done = _restore(no_key)  # a pod without the Secret: refused, said why, the server starts
+    assert done.returncode == 2 and "[remote_key_required]" in done.stderr, done.stderr
+    assert not store.exists()
+
+
+@needs_weed
 def test_wrong_credentials_do_not_stop_the_server_and_leave_no_store(s3: S3Server,
                                                                      tmp_path: Path) -> None:
     bucket = "ij-deploy-creds"

@@ -44,7 +44,7 @@ K8S_VERSIONS = ("1.32", "1.37")  # the oldest and newest kubernetes-validate 1.3
 # Capabilities the helper needs beyond its CRIU runs: its own bookkeeping (docs/security.md)
 # and signalling its users' kernel trees (CAP_KILL: without it, kill/signal answer EPERM).
 HELPER_OWN_CAPS = {"SETUID", "CHOWN", "DAC_OVERRIDE", "FOWNER", "KILL"}
-SECRETS = {"infinijup-s3", "infinijup-seal-key"}
+SECRETS = {"infinijup-s3", "infinijup-remote-key", "infinijup-seal-key"}
 
 
 def _yaml_files() -> list[Path]:
@@ -375,7 +375,8 @@ def test_every_user_store_points_at_the_object_store(monkeypatch: pytest.MonkeyP
 
 def test_credentials_come_from_a_secret_file_not_the_environment() -> None:
     """Kernels inherit the server's environment, and a kernel's memory is in every snapshot:
-    no credential may be an environment variable's value."""
+    no credential (the object store's keys, the remote's encryption password) may be an
+    environment variable's value; each is a file of a Secret, mounted read-only."""
     pod = _user_pod(_values())["spec"]
     (notebook,) = pod["containers"]
     env = {e["name"]: e for e in notebook["env"]}
@@ -383,11 +384,14 @@ def test_credentials_come_from_a_secret_file_not_the_environment() -> None:
         assert name not in env
     for e in env.values():
         assert "secretKeyRef" not in e.get("valueFrom", {}), e["name"]
-    path = env["AWS_SHARED_CREDENTIALS_FILE"]["value"]
     volumes = {v["name"]: v for v in pod["volumes"]}
-    (mount,) = [m for m in notebook["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
-    assert mount.get("readOnly") is True
-    assert volumes[mount["name"]]["secret"]["secretName"] == "infinijup-s3"
+    for var, secret in (("AWS_SHARED_CREDENTIALS_FILE", "infinijup-s3"),
+                        ("INFINIJUP_STORE_PASSWORD_FILE", "infinijup-remote-key")):
+        path = env[var]["value"]
+        (mount,) = [m for m in notebook["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+        assert mount.get("readOnly") is True
+        assert volumes[mount["name"]]["secret"]["secretName"] == secret
+        assert volumes[mount["name"]]["secret"]["defaultMode"] == 0o440  # root, the fsGid
 
 
 def test_the_secrets_the_values_name_are_the_ones_the_docs_create() -> None:

@@ -6,7 +6,9 @@ follows the user to whichever node their next server lands on; this covers a hom
 up without it (a new volume in another zone or cluster, a lost one): the store is cloned from
 the remote, where the server pushed every commit. A clone that was cut short (the pod deleted
 mid-way) leaves ``<store>.cloning`` behind and is finished on the next start; a remote with
-no thread yet (a new user) is not an error.
+no thread yet (a new user) is not an error. A new user's empty remote is made an encrypted
+one with the pod's key (``INFINIJUP_STORE_PASSWORD_FILE``, from a Secret): the server's
+background push needs it to be (docs/store.md, "Remotes: encryption and keys").
 
 Hibernation records (``<store>-hibernated/``) are not on the remote: after a clone the
 hibernated kernel is in the notebook's history (Resume), but does not wake by itself.
@@ -31,10 +33,11 @@ def restore(store: Path, url: str) -> str:
         return f"{store} is there: nothing to restore"
     bucket = S3Bucket(url)
     bucket.check_bucket()
+    made = encrypt_if_new(bucket)
     threads = remote_threads(bucket)
     if not threads:
         marker.unlink(missing_ok=True)
-        return f"{url} has no thread yet: nothing to restore"
+        return f"{made}{url} has no thread yet: nothing to restore"
     store.parent.mkdir(parents=True, exist_ok=True)
     marker.touch()
     repo, reports = clone(url, store)
@@ -42,6 +45,20 @@ def restore(store: Path, url: str) -> str:
     marker.unlink()
     moved = sum(r.bytes_downloaded for r in reports)
     return f"cloned {len(reports)} threads ({moved} bytes) from {url} into {store}"
+
+
+def encrypt_if_new(bucket) -> str:  # noqa: ANN001 - an S3Bucket (imported late)
+    """A new user's remote (nothing under its prefix) is made an encrypted one with the pod's
+    key ($INFINIJUP_STORE_PASSWORD_FILE or $INFINIJUP_STORE_KEY_FILE), so that the server's
+    background push, which refuses a remote that is not encrypted while a key is given, can
+    go. Without a key, or on a remote that holds anything, nothing is done. What was done."""
+    from infinijup.store.keys import Credentials, init_remote, read_config
+
+    creds = Credentials.from_env()
+    if not creds.has_key or read_config(bucket) is not None or bucket.list(""):
+        return ""
+    opened = init_remote(bucket, creds, label="pod")
+    return f"made {bucket.url} an encrypted remote (key slot {opened.slot}); "
 
 
 def main() -> int:
