@@ -47,7 +47,13 @@ from infinijup.store.errors import (
     RemoteReplayed,
     RemoteWrongKey,
 )
-from infinijup.store.keys import Credentials, add_slot, change_password, init_remote
+from infinijup.store.keys import (
+    Credentials,
+    add_slot,
+    change_password,
+    init_remote,
+    remove_slot,
+)
 from infinijup.store.objects import Commit
 from infinijup.store.remote import _verify_pack, clone, pull, push, read_remote_ref
 from infinijup.store.remote_repo import open_remote
@@ -296,11 +302,16 @@ def test_key_changes_while_a_background_push_runs(s3: S3Server, remote: str, tmp
         while not (holds / "remote_push_after_pack.reached").exists():
             assert time.monotonic() < deadline, "hang guard: the push never reached its hold"
             time.sleep(0.02)
-        # mid-push (one pack sent, the ref not moved): a slot added, the password changed
+        # mid-push (one pack sent, the ref not moved): slots added, one removed, the
+        # password changed
         opened = open_remote(remote)
         second = _write_password(tmp_path / "pw2", "added mid-push")
         add_slot(opened.bucket, opened.unlocked.master, bytes.fromhex(opened.id),
                  Credentials.build(password_file=second))
+        gone = _write_password(tmp_path / "pw-gone", "added and removed mid-push")
+        gone_slot = add_slot(opened.bucket, opened.unlocked.master, bytes.fromhex(opened.id),
+                             Credentials.build(password_file=gone))
+        remove_slot(opened.bucket, gone_slot, opened.unlocked.slot)
         third = _write_password(tmp_path / "pw3", "changed mid-push")
         change_password(opened.bucket, opened.unlocked, Credentials.build(password_file=third))
         (holds / "remote_push_after_pack").unlink()
@@ -310,8 +321,9 @@ def test_key_changes_while_a_background_push_runs(s3: S3Server, remote: str, tmp
         assert sync.wait_idle(HANG_GUARD) and sync.is_pushed(c2.id)
     finally:
         sync.stop()
-    with pytest.raises(RemoteWrongKey):  # the old password's slot went
-        open_remote(remote, Credentials.build(password_file=_password()))
+    for pw in (_password(), gone):  # the old password's slot went, and the removed one
+        with pytest.raises(RemoteWrongKey):
+            open_remote(remote, Credentials.build(password_file=pw))
     for pw in (second, third):
         b = Repository.init(tmp_path / f"b-{pw.name}")
         assert pull(b, remote, "main", creds=Credentials.build(password_file=pw)).commit == c2.id
