@@ -66,6 +66,9 @@ class Operation:
     percent: float = 0
     commit: str | None = None
     reason: str | None = None
+    # part of a larger move the user asked for (an undo), or an automatic snapshot: its events
+    # say so, and Lab shows no notification of its own for it
+    quiet: bool = False
     # set to give up waiting for a busy kernel (POST /infinijup/cancel); nothing else stops
     cancel: asyncio.Event = field(default_factory=asyncio.Event, repr=False, compare=False)
 

@@ -29,6 +29,8 @@ class Events:
         data = {"op": op.op, "op_id": op.op_id, "kernel_id": op.kernel_id, "path": op.path,
                 "phase": phase, "percent": float(percent)}
         data.update({k: str(v) for k, v in extra.items() if v is not None})
+        if op.quiet:
+            data["quiet"] = True
         try:
             self.serverapp.event_logger.emit(schema_id=EVENT_SCHEMA_ID, data=data)
         except Exception as exc:  # progress must never break an operation

@@ -72,16 +72,18 @@ def plan(m, km, key: str, ref: str, branch: str | None, force: bool = False,  # 
 
 async def restore(m, kernel_id: str, ref: str, *, branch: str | None = None,  # noqa: ANN001
                   wait_idle: bool = False, force: bool = False,
-                  gpu_map: dict[str, str] | None = None, within: Turn | None = None) -> dict:
+                  gpu_map: dict[str, str] | None = None, within: Turn | None = None,
+                  quiet: bool = False) -> dict:
     """Restore snapshot ``ref`` into kernel ``kernel_id`` (``m`` is the SnapshotManager).
-    ``within``: the turn of a wake this restore is part of."""
+    ``within``: the turn of a wake this restore is part of. ``quiet``: a step of an undo or
+    redo (its events say so)."""
     km = m.kernel(kernel_id)
     m.provisioner(km)
     path = await m.notebook_path(kernel_id)
     key = notebook_key(path)
     planned = await asyncio.to_thread(plan, m, km, key, ref, branch, force, gpu_map)
     turn = within or await m.lifecycle.begin(kernel_id, RESTORING)
-    op = Operation("restore", kernel_id, path)
+    op = Operation("restore", kernel_id, path, quiet=quiet)
     m.lifecycle.start_operation(op)
     m.events.end(op, "queued")
     run = RestoreRun(m, km, op, turn, planned, key, branch)

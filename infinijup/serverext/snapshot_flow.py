@@ -70,7 +70,8 @@ async def snapshot(m, kernel_id: str, *, message: str = "", thread: str | None =
         check_thread_name(thread)
     path = await m.notebook_path(kernel_id)
     turn = within or await m.lifecycle.begin(kernel_id, SNAPSHOTTING)
-    op = Operation("snapshot", kernel_id, path)
+    op = Operation("snapshot", kernel_id, path,
+                   quiet=auto or bool((described or {}).get("auto")))
     m.lifecycle.start_operation(op)
     m.events.end(op, "queued")
     run = SnapshotRun(m, km, prov, op, turn if within is None else None, path=path,

@@ -83,7 +83,7 @@ class UndoRedo:
                 raise Conflict("nothing to undo: the kernel is at the first snapshot of its "
                                "history", reason="nothing_to_undo")
             target = parents[0]
-        result = await m.restore_keeping_settings(kernel_id, target)
+        result = await m.restore_keeping_settings(kernel_id, target, quiet=True)
         if what == "undo":
             self.redo_lists.setdefault(kernel_id, []).append(here)
         says = describe_move(what, _cell(repo, here), _cell(repo, target))

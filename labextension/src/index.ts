@@ -144,7 +144,9 @@ const plugin: JupyterFrontEndPlugin<void> = {
           );
         });
       },
-      isRelevant: ev => !!kernelOfEvent(ev.kernel_id, ev.path),
+      // Automatic snapshots and the steps of an undo make no notification:
+      // the undo says where it went, an automatic snapshot says nothing.
+      isRelevant: ev => !ev.quiet && !!kernelOfEvent(ev.kernel_id, ev.path),
       describe: ev => {
         const panel = kernelOfEvent(ev.kernel_id, ev.path);
         return PathExt.basename(panel?.context.path || ev.path || ev.kernel_id);

@@ -277,6 +277,11 @@ export interface IOperationEvent {
   thread?: string;
   /** Present on `error`. */
   reason?: string;
+  /**
+   * An automatic snapshot, or a step of an undo or redo: no notification of
+   * its own (the history still follows it).
+   */
+  quiet?: boolean;
 }
 
 /** The query of a history request: by kernel (preferred) or notebook path. */
@@ -342,6 +347,7 @@ export function parseOperationEvent(emission: {
     message: typeof emission.message === 'string' ? emission.message : '',
     commit: typeof emission.commit === 'string' ? emission.commit : undefined,
     thread: typeof emission.thread === 'string' ? emission.thread : undefined,
-    reason: typeof emission.reason === 'string' ? emission.reason : undefined
+    reason: typeof emission.reason === 'string' ? emission.reason : undefined,
+    quiet: emission.quiet === true
   };
 }

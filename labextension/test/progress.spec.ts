@@ -369,6 +369,19 @@ describe('parseOperationEvent', () => {
       message: 'm'
     });
     expect(ev).toMatchObject({ op: 'snapshot', percent: 100, phase: 'store' });
+    expect(ev!.quiet).toBe(false);
+  });
+
+  it('reads quiet: an automatic snapshot or a step of an undo (issue 30)', () => {
+    const ev = parseOperationEvent({
+      schema_id: EVENT_SCHEMA_ID,
+      op: 'restore',
+      op_id: 'o',
+      kernel_id: 'k',
+      phase: 'done',
+      quiet: true
+    });
+    expect(ev!.quiet).toBe(true);
   });
 
   it('rejects other schemas and malformed events', () => {

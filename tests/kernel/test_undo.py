@@ -7,6 +7,7 @@ so small that no quicker cell ever is. A slow cell is ``time.sleep(1.1)`` plus i
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 
@@ -147,3 +148,36 @@ async def test_old_automatic_snapshots_are_thinned_and_undo_stops_there(notebook
     assert await nb.value("x") == 3
     r = await nb.post("undo", {"kernel_id": nb.kernel_id})
     assert r.code == 409 and json.loads(r.body)["reason"] == "nothing_to_undo", r.body
+
+
+async def test_automatic_snapshots_and_undo_steps_are_quiet_events(notebook, jp_serverapp):
+    """Lab notifies of every operation on an open notebook's kernel, except those its events
+    mark quiet: automatic snapshots and the snapshot and restore inside an undo (the undo says
+    where it went). A snapshot the user asks for is not quiet."""
+    nb = notebook
+    seen: list[dict] = []
+
+    async def listener(logger, schema_id, data):  # noqa: ANN001
+        seen.append(dict(data))
+
+    jp_serverapp.event_logger.add_listener(
+        schema_id="https://events.infinijup.dev/operation", listener=listener)
+    await nb.execute("import time")
+    manual = await nb.snapshot(message="by hand")
+    await run(nb, SLOW + "x = 1")  # slow: an automatic snapshot
+    await run(nb, "x = 2")  # quick: changed since, the undo saves it first
+    r = await nb.post("undo", {"kernel_id": nb.kernel_id})
+    assert r.code == 200, r.body
+    moved = json.loads(r.body)
+    for _ in range(200):  # listeners run as tasks: let them drain
+        if any(e["op"] == "restore" and e["phase"] == "done" for e in seen):
+            break
+        await asyncio.sleep(0.05)
+    done = [e for e in seen if e["phase"] == "done"]
+    by_commit = {e["commit"]: e for e in done}
+    assert by_commit[manual["commit"]].get("quiet") is None, by_commit[manual["commit"]]
+    autos = [e for e in done if e["op"] == "snapshot" and e["commit"] != manual["commit"]]
+    assert len(autos) == 2 and all(e.get("quiet") is True for e in autos), autos  # cell, undo
+    restores = [e for e in done if e["op"] == "restore"]
+    assert [e["commit"] for e in restores] == [moved["commit"]]
+    assert restores[0].get("quiet") is True

@@ -842,3 +842,52 @@ test.describe('Cells timeline @backend', () => {
     ).toBeVisible();
   });
 });
+
+/** Issue 30: Lab's setting, the Undo shortcut and the Kernel menu's Redo, in a browser. */
+test.describe('Undo from the keyboard and the menu @backend', () => {
+  test.use({
+    mockSettings: {
+      ...galata.DEFAULT_SETTINGS,
+      'infinijup:plugin': { autosnapshot: 'on' }
+    }
+  });
+
+  test("Lab's setting turns the kernel's automatic snapshots on; Accel Alt Z undoes; Kernel › Redo Cell redoes", async ({
+    page,
+    tmpPath
+  }) => {
+    test.setTimeout(4 * OP_TIMEOUT);
+    // The setting is sent to each Infinijup kernel once Lab knows it is managed.
+    const told = page.waitForResponse(
+      r =>
+        /\/infinijup\/autosnapshot/.test(r.url()) &&
+        r.request().method() === 'POST',
+      { timeout: OP_TIMEOUT }
+    );
+    await infinijupNotebook(page, tmpPath, 'undo-keys');
+    const reply = await told;
+    expect(reply.status()).toBe(200);
+    expect((await reply.json()).on).toBe(true);
+    expect(await run(page, '%autosnapshot status')).toContain(
+      'Automatic snapshots are on'
+    );
+
+    expect(await run(page, 'x = 1\nx')).toBe('1'); // [2]
+    await snapshot(page);
+    expect(await run(page, 'x = 2\nx')).toBe('2'); // [3]: too quick to snapshot
+    // Command mode, then the shortcut.
+    await page.notebook.selectCells(0);
+    await page.keyboard.press('Escape');
+    await page.keyboard.press('Control+Alt+z');
+    await expect(
+      toasts(page).filter({ hasText: 'Redo brings it back' })
+    ).toContainText('[2] x = 1', { timeout: OP_TIMEOUT });
+    expect(await run(page, 'print(x)')).toBe('1');
+
+    await page.menu.clickMenuItem('Kernel>Redo Cell');
+    await expect(
+      toasts(page).filter({ hasText: 'Redone: back to after' })
+    ).toBeVisible({ timeout: OP_TIMEOUT });
+    expect(await run(page, 'print(x)')).toBe('2');
+  });
+});
