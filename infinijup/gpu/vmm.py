@@ -167,6 +167,10 @@ def sleep_into(path: str | os.PathLike) -> int:
     finally:
         os.close(fd)
     if moved < 0:
+        err = lib.ij_last_errno()
+        if err:  # the file's pages could not be reserved: nothing was copied or released
+            raise OSError(err, f"the GPU arena cannot hold the segments: {os.strerror(err)}",
+                          str(path))
         raise RuntimeError(f"VMM sleep into {path} failed (CUDA error {lib.ij_last_error()})")
     return int(moved)
 

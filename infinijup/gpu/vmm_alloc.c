@@ -14,6 +14,7 @@
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <time.h>
@@ -98,6 +99,7 @@ static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static int keep_host; /* keep the pinned copies after a wake: the next sleep only copies */
 static int copy_given; /* ij_set_copy was called: the next ij_sleep_into copies s->copy only */
 static CUresult last_error;
+static int last_errno; /* the arena file's, when ij_sleep_into could not reserve its pages */
 static int loaded = -1;
 
 static int load(void) {
@@ -561,6 +563,24 @@ static void punch_dead(int fd, Segment *s) {
     }
 }
 
+/* Allocate the file's pages a copy will write, before it writes any: a tmpfs past its quota,
+ * or a host short of memory, answers ENOSPC or ENOMEM here, where a page faulted in during the
+ * copy would be a SIGBUS (or the OOM killer) in the kernel. 0, or the errno (a filesystem
+ * without fallocate reserves nothing: as before). */
+static int reserve_range(int fd, size_t off, size_t len) {
+    if (len == 0 || fallocate(fd, 0, (off_t)off, (off_t)len) == 0) return 0;
+    return errno == EOPNOTSUPP ? 0 : errno;
+}
+
+static int reserve(int fd, const Segment *s) {
+    if (!s->live) return reserve_range(fd, s->offset, s->size);
+    for (int i = 0; i < s->nlive; i++) {
+        int err = reserve_range(fd, s->offset + s->live[2 * i], s->live[2 * i + 1]);
+        if (err) return err;
+    }
+    return 0;
+}
+
 /* Give the file's pages back between the segments on the GPU (where segments freed since an
  * earlier snapshot were). */
 static void punch_gaps(int fd, size_t end) {
@@ -599,6 +619,10 @@ long long ij_sleep_into(int fd) {
     punch_gaps(fd, end);
     for (Segment *s = segments; s; s = s->next)
         if (s->mapped) punch_dead(fd, s);
+    last_errno = 0;
+    for (Segment *s = segments; s && !last_errno; s = s->next)
+        if (s->mapped) last_errno = reserve(fd, s);
+    if (last_errno) goto fail_locked;
     char *base = map_file(fd, end, 1);
     if (!base) goto fail_locked;
     CUresult res = copy_pieces(base, 1, &moved);
@@ -679,6 +703,7 @@ void ij_stats(long long *count, long long *bytes, long long *mapped_bytes) {
 }
 
 int ij_last_error(void) { return last_error; }
+int ij_last_errno(void) { return last_errno; }
 
 /* 1: pinned host copies stay allocated after a wake (host memory holds a second copy of the
  * GPU memory, and later sleeps skip pinning); 0: they are freed at each wake. */
