@@ -17,8 +17,8 @@ A sealed object (``MAGIC`` + salt + segments) is cut into segments of ``SEGMENT`
 bytes, each sealed with the nonce ``counter (11 bytes, big-endian) || last flag`` (the STREAM
 construction, as in age): reordered, dropped or truncated segments do not open, and the last
 segment is marked, so a truncated object is refused. Large objects (packs) are sealed and
-opened as streams (``EncryptingReader``; ``SegmentOpener`` opens ranges of segments fetched
-in parallel), never held in memory.
+sealed and opened a group of segments at a time (``SegmentSealer``, ``SegmentOpener``: parts
+uploaded and ranges fetched in parallel), never held whole in memory.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class NotAuthentic(Exception):
 
 def sealed_size(n: int) -> int:
     """The size of a sealed object of ``n`` plaintext bytes."""
-    return HEAD + n + TAG * max(1, -(-n // SEGMENT))
+    return HEAD + n + TAG * segments_of(n)
 
 
 def _nonce(i: int, last: bool) -> bytes:
@@ -79,7 +79,7 @@ class RepoKey:
         salt = os.urandom(SALT)
         aead = self._aead(kind, name, salt)
         view = memoryview(data)
-        count = max(1, -(-len(data) // SEGMENT))
+        count = segments_of(len(data))
         parts = [MAGIC, salt]
         for i in range(count):
             seg = view[i * SEGMENT:(i + 1) * SEGMENT]
@@ -105,9 +105,10 @@ class RepoKey:
         return b"".join(out)
 
     # -- streams (packs) ---------------------------------------------------------------------
-    def reader(self, kind: str, name: str, path: os.PathLike[str] | str) -> EncryptingReader:
-        """A file-like object reading the file at ``path`` sealed (for uploads)."""
-        return EncryptingReader(self, kind, name, path)
+    def sealer(self, kind: str, name: str) -> SegmentSealer:
+        """Seals the segments of a new object ``name`` of ``kind``, with a fresh salt (for
+        uploads)."""
+        return SegmentSealer(self, kind, name)
 
     def opener(self, kind: str, name: str, head: bytes) -> SegmentOpener:
         """Opens the segments of the sealed object ``name`` whose first ``HEAD`` bytes are
@@ -115,50 +116,25 @@ class RepoKey:
         return SegmentOpener(self, kind, name, head)
 
 
-class EncryptingReader:
-    """``read(n)`` returns the next bytes of a file sealed as one object (not seekable)."""
+class SegmentSealer:
+    """Seals the segments of one object in any order (for uploads that send parts of it in
+    parallel): the object is ``head`` (``HEAD`` bytes) then segment 0, 1, ... of ``count``;
+    segment ``i`` holds the plaintext at ``i * SEGMENT``."""
 
-    def __init__(self, key: RepoKey, kind: str, name: str, path: os.PathLike[str] | str
-                 ) -> None:
-        self._f = open(path, "rb")  # noqa: SIM115 - closed by close()
-        self.size = os.fstat(self._f.fileno()).st_size
-        self._count = max(1, -(-self.size // SEGMENT))
+    def __init__(self, key: RepoKey, kind: str, name: str) -> None:
         salt = os.urandom(SALT)
+        self.head = MAGIC + salt
         self._aead = key._aead(kind, name, salt)
-        self._rest = memoryview(MAGIC + salt)  # sealed, not read yet
-        self._next = 0  # next segment to seal
 
-    def seekable(self) -> bool:
-        return False
+    def seal(self, i: int, count: int, plain: bytes | memoryview) -> bytes:
+        """Segment ``i`` of ``count`` sealed (``SEGMENT`` plaintext bytes, the last at most
+        that)."""
+        return self._aead.encrypt(_nonce(i, i == count - 1), plain, None)
 
-    def readable(self) -> bool:
-        return True
-
-    def read(self, n: int = -1) -> bytes:
-        parts, have = [self._rest], len(self._rest)
-        while (n < 0 or have < n) and self._next < self._count:
-            plain = self._f.read(SEGMENT)
-            last = self._next == self._count - 1
-            if (len(plain) < SEGMENT and not last) or (last and self._f.read(1)):
-                raise OSError("the file changed size while being sealed")
-            parts.append(memoryview(self._aead.encrypt(_nonce(self._next, last), plain,
-                                                       None)))
-            have += len(parts[-1])
-            self._next += 1
-        self._rest = memoryview(b"")
-        if 0 <= n < have:  # keep the tail of the last part for the next read
-            cut = len(parts[-1]) - (have - n)
-            parts[-1], self._rest = parts[-1][:cut], parts[-1][cut:]
-        return b"".join(parts)  # the one copy
-
-    def close(self) -> None:
-        self._f.close()
-
-    def __enter__(self) -> EncryptingReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def seal_into(self, i: int, count: int, plain: bytes | memoryview, out: memoryview
+                  ) -> None:
+        """``seal``, written into ``out`` (``len(plain) + TAG`` bytes)."""
+        self._aead.encrypt_into(_nonce(i, i == count - 1), plain, None, out)
 
 
 class SegmentOpener:
@@ -193,6 +169,11 @@ def segment_count(sealed: int) -> int:
     return count
 
 
+def segments_of(plain: int) -> int:
+    """How many segments an object of ``plain`` plaintext bytes is sealed in."""
+    return max(1, -(-plain // SEGMENT))
+
+
 def plain_size(sealed: int) -> int:
     """The plaintext size of a sealed object of ``sealed`` bytes."""
     return sealed - HEAD - TAG * segment_count(sealed)
@@ -204,4 +185,5 @@ def random_key() -> bytes:
 
 
 __all__ = ["HEAD", "KEY_BYTES", "NotAuthentic", "REPO_ID_BYTES", "STEP", "RepoKey",
-           "SegmentOpener", "plain_size", "random_key", "sealed_size", "segment_count"]
+           "SegmentOpener", "SegmentSealer", "plain_size", "random_key", "sealed_size",
+           "segment_count", "segments_of"]

@@ -37,7 +37,7 @@ from .errors import (
 from .keys import Credentials, Unlocked, read_config, unlock
 from .objects import is_hex_id
 from .s3 import S3Bucket
-from .sealed_fetch import fetch_sealed
+from .sealed_transfer import fetch_sealed, send_sealed
 
 _FORGED = "damaged, truncated, swapped or from another repository"
 
@@ -121,9 +121,7 @@ class RemoteRepo:
         if self.key is None:
             self.bucket.upload(name, path)
             return path.stat().st_size
-        with self.key.reader("packs", name, path) as stream:
-            self.bucket.upload_stream(name, stream)
-            return sealed_size(stream.size)
+        return send_sealed(self.bucket, self.key, "packs", name, path)
 
     def download_pack(self, pack: str, dest: Path) -> None:
         """Fetch pack ``pack`` into ``dest`` as the local pack file (opened and authenticated

@@ -17,10 +17,11 @@ from __future__ import annotations
 import contextlib
 import os
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .errors import (
     RemoteAuthFailed,
@@ -32,6 +33,9 @@ from .errors import (
 ENDPOINT_ENV = "INFINIJUP_S3_ENDPOINT"
 _AUTH_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied",
                "InvalidToken", "ExpiredToken", "403", "Forbidden"}
+
+
+T = TypeVar("T")
 
 
 class PreconditionFailed(Exception):
@@ -203,12 +207,32 @@ class S3Bucket:
         with self._errors(f"deleting {name}"):
             self.client.delete_object(Bucket=self.url.bucket, Key=self.key(name))
 
-    def upload_stream(self, name: str, stream: Any) -> None:
-        """Upload what a readable, non-seekable file-like object gives (multipart when
-        large)."""
+    def upload_parts(self, name: str, count: int, part: Callable[[int], bytes]) -> None:
+        """Write ``name`` as ``count`` parts, ``part(i)`` giving the bytes of part ``i``
+        (every one but the last at least 5 MiB), made and sent by the transfer's
+        concurrency of threads (a multipart upload; one PUT when ``count`` is 1). A failure
+        aborts the upload: nothing is left under ``name``."""
+        if count == 1:
+            self.put(name, part(0))
+            return
+        bucket, key = self.url.bucket, self.key(name)
         with self._errors(f"uploading {name}"):
-            self.client.upload_fileobj(stream, self.url.bucket, self.key(name),
-                                       Config=self.transfer)
+            upload = self.client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+            try:
+                def send(i: int) -> dict[str, Any]:
+                    r = self.client.upload_part(Bucket=bucket, Key=key, UploadId=upload,
+                                                PartNumber=i + 1, Body=part(i))
+                    return {"PartNumber": i + 1, "ETag": r["ETag"]}
+
+                parts = run_parallel(send, range(count), self.transfer.max_concurrency)
+                self.client.complete_multipart_upload(
+                    Bucket=bucket, Key=key, UploadId=upload,
+                    MultipartUpload={"Parts": parts})
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    self.client.abort_multipart_upload(Bucket=bucket, Key=key,
+                                                       UploadId=upload)
+                raise
 
     def read_range(self, name: str, start: int, stop: int, piece: int
                    ) -> Iterator[tuple[bytes, int]]:
@@ -253,6 +277,21 @@ class S3Bucket:
         with self._errors(f"downloading {name}"):
             self.client.download_file(self.url.bucket, self.key(name), str(path),
                                       Config=self.transfer)
+
+
+def run_parallel(fn: Callable[[int], T], items: range, workers: int) -> list[T]:
+    """``[fn(i) for i in items]`` on up to ``workers`` threads; the first failure is raised
+    once the calls already running end, and the calls not started yet are dropped."""
+    with ThreadPoolExecutor(max(1, min(workers, len(items))),
+                            thread_name_prefix="ij-transfer") as pool:
+        futures = [pool.submit(fn, i) for i in items]
+        done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+        for f in pending:
+            f.cancel()
+        for f in done:
+            if f.exception() is not None:
+                raise f.exception()  # type: ignore[misc]
+    return [f.result() for f in futures]
 
 
 def _unwrap(exc: BaseException) -> BaseException:

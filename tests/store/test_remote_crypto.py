@@ -38,6 +38,7 @@ from infinijup.store.crypto import (
     plain_size,
     sealed_size,
     segment_count,
+    segments_of,
 )
 from infinijup.store.errors import (
     RemoteCorrupt,
@@ -68,7 +69,7 @@ SECRET = "sk-live-PLANTED-7f3c9a1e5b2d4c6a8e0f"
 # -- the cipher alone ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("n", [0, 1, SEGMENT - 1, SEGMENT, SEGMENT + 1, 3 * SEGMENT + 5])
-def test_sealed_objects_round_trip_and_streams_agree(n: int, tmp_path: Path) -> None:
+def test_sealed_objects_round_trip_and_streams_agree(n: int) -> None:
     master = os.urandom(32)
     key = RepoKey(master, os.urandom(16))
     data = random_bytes(n, n)
@@ -77,13 +78,16 @@ def test_sealed_objects_round_trip_and_streams_agree(n: int, tmp_path: Path) -> 
     if n >= 64:
         assert data[:64] not in blob
     assert key.open("packs", "packs/ab/x", blob) == data
-    (tmp_path / "plain").write_bytes(data)
-    with key.reader("packs", "packs/ab/x", tmp_path / "plain") as r:
-        streamed = b"".join(iter(lambda: r.read(777_777), b""))
-    assert len(streamed) == sealed_size(n)
+    # sealed segment by segment, last first (as parallel part uploads do)
+    sealer = key.sealer("packs", "packs/ab/x")
+    count = segments_of(n)
+    segs = {i: sealer.seal(i, count, data[i * SEGMENT:(i + 1) * SEGMENT])
+            for i in reversed(range(count))}
+    streamed = sealer.head + b"".join(segs[i] for i in range(count))
+    assert len(streamed) == sealed_size(n) and key.open("packs", "packs/ab/x", streamed) == data
     # opened segment by segment, last first (as parallel ranged downloads do)
     opener = key.opener("packs", "packs/ab/x", streamed[:HEAD])
-    count = segment_count(len(streamed))
+    assert segment_count(len(streamed)) == count
     assert plain_size(len(streamed)) == n
     parts = {i: opener.open(i, count, streamed[HEAD + i * STEP:HEAD + (i + 1) * STEP])
              for i in reversed(range(count))}
@@ -328,6 +332,51 @@ def test_key_changes_while_a_background_push_runs(s3: S3Server, remote: str, tmp
         b = Repository.init(tmp_path / f"b-{pw.name}")
         assert pull(b, remote, "main", creds=Credentials.build(password_file=pw)).commit == c2.id
         assert [c.id for c in b.log("main")] == [c2.id, c1.id] and check(b, read_data=True).ok
+
+
+@needs_s3
+def test_packs_move_in_parallel_parts(s3: S3Server, remote: str, tmp_path: Path) -> None:
+    """A pack of several parts (parts of 5 segments here, 16 by default): sealed and sent,
+    fetched and opened part by part in parallel; a pack cut at a part's end or with a part of
+    another upload is refused."""
+    a = Repository.init(tmp_path / "a", pack_size=32 << 20)
+    image = tmp_path / "img"
+    image.mkdir()
+    (image / "pages.img").write_bytes(random_bytes(12 << 20, 3))
+    c = a.commit_dir(image, thread="main")
+    (pack, (size, _count)), = a.index.packs().items()
+    assert size > 11 * SEGMENT
+
+    def opened():  # noqa: ANN202
+        r = open_remote(remote)
+        r.bucket.transfer.multipart_chunksize = 5 * SEGMENT  # S3's smallest part
+        return r
+
+    push(a, opened())
+    bucket = S3Bucket(remote)
+    (name,) = bucket.list("packs/")
+    sealed = bucket.get(name)[0]
+    assert len(sealed) == sealed_size(size) and segment_count(len(sealed)) > 10  # 3 parts
+    b = Repository.init(tmp_path / "b")
+    assert pull(b, opened(), "main").commit == c.id and check(b, read_data=True).ok
+    assert (b.path / "packs" / pack[:2] / pack).read_bytes() == \
+        (a.path / "packs" / pack[:2] / pack).read_bytes()
+
+    opened().upload_pack(pack, a.path / "packs" / pack[:2] / pack)  # sealed again: new salt
+    again = bucket.get(name)[0]
+    assert len(again) == len(sealed) and again[HEAD:] != sealed[HEAD:]
+    part = HEAD + 5 * STEP
+    for n, bad in enumerate((sealed[:part], sealed[:2 * part - HEAD],
+                             sealed[:part] + sealed[part + 1:],
+                             sealed[:part] + _flip(sealed[part:]),
+                             sealed[:part] + again[part:])):
+        bucket.put(name, bad)
+        c2 = Repository.init(tmp_path / f"c{n}")
+        with pytest.raises(RemoteCorrupt, match="does not authenticate"):
+            pull(c2, opened(), "main")
+        _untouched(c2)
+    bucket.put(name, sealed)
+    assert pull(Repository.init(tmp_path / "d"), opened(), "main").commit == c.id
 
 
 def _tamper(remote: str, kind: str, change) -> None:  # noqa: ANN001 - bytes -> bytes
