@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -67,7 +68,10 @@ def post(server: ServerProcess, route: str, kernel_id: str) -> float:
     code, body = server.request("POST", f"/infinijup/{route}", {"kernel_id": kernel_id})
     if code != 200:
         raise RuntimeError(f"{route}: {code} {body}")
-    return time.perf_counter() - t0
+    took = time.perf_counter() - t0
+    if os.environ.get("INFINIJUP_BENCH_VERBOSE"):  # the server's own account of the step
+        print(f"{route} {took:.2f} s: {body}", flush=True)
+    return took
 
 
 async def one_size(server: ServerProcess, kind: str, nbytes: int, repeat: int,
