@@ -14,14 +14,10 @@ credentials). Ids of commits that no longer exist are ignored by readers.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from . import fsutil
-from .errors import CorruptObject
-from .lock import FileLock
-from .objects import is_hex_id
+from . import commit_records
 
 if TYPE_CHECKING:
     from .repository import Repository
@@ -29,28 +25,19 @@ if TYPE_CHECKING:
 RECORD = "remote-only"
 
 
+def _is_url(value: object) -> bool:
+    return isinstance(value, str)
+
+
 def remote_only(repo: Repository) -> dict[str, str]:
     """Every remote-only commit id -> the remote that holds its chunks."""
-    try:
-        data = (repo.path / RECORD).read_bytes()
-    except FileNotFoundError:
-        return {}
-    try:
-        obj = json.loads(data)
-        commits = obj["commits"]
-        if obj.get("version") != 1 or not isinstance(commits, dict):
-            raise ValueError("unknown layout")
-        if not all(is_hex_id(k) and isinstance(v, str) for k, v in commits.items()):
-            raise ValueError("bad entry")
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CorruptObject(f"{repo.path / RECORD} is damaged ({exc})") from None
-    return dict(commits)
+    return commit_records.read(repo, RECORD, _is_url)
 
 
 def mark_remote_only(repo: Repository, commits: dict[str, str]) -> None:
     """Add ``commits`` (id -> remote URL) to the record, durably."""
     if commits:
-        _update(repo, lambda record: record.update(commits))
+        commit_records.update(repo, RECORD, _is_url, lambda record: record.update(commits))
 
 
 def mark_local(repo: Repository, commit_ids: Iterable[str]) -> None:
@@ -62,19 +49,7 @@ def mark_local(repo: Repository, commit_ids: Iterable[str]) -> None:
             record.pop(c, None)
 
     if ids:
-        _update(repo, drop)
-
-
-def _update(repo: Repository, change) -> None:  # noqa: ANN001 - a callable on the dict
-    with FileLock(repo.refs_lock_path, timeout=repo.lock_timeout):
-        record = remote_only(repo)
-        before = dict(record)
-        change(record)
-        if record == before:
-            return
-        body = json.dumps({"version": 1, "commits": dict(sorted(record.items()))},
-                          indent=0).encode() + b"\n"
-        fsutil.atomic_write(repo.path / RECORD, body, tmp_dir=repo.tmp_dir)
+        commit_records.update(repo, RECORD, _is_url, drop)
 
 
 __all__ = ["RECORD", "mark_local", "mark_remote_only", "remote_only"]

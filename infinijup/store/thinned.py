@@ -12,16 +12,13 @@ replaced atomically under ``refs.lock``. Ids of commits that no longer exist are
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ..errors import Conflict
-from . import fsutil
-from .errors import CorruptObject, StoreError
-from .lock import FileLock
-from .objects import is_hex_id
+from . import commit_records
+from .errors import StoreError
 
 if TYPE_CHECKING:
     from .repository import Repository
@@ -35,22 +32,13 @@ class CommitThinned(StoreError, Conflict):
     reason = "commit_thinned"
 
 
+def _is_time(value: object) -> bool:
+    return isinstance(value, (int, float))
+
+
 def thinned(repo: Repository) -> dict[str, float]:
     """Every thinned commit id -> when it was thinned."""
-    try:
-        data = (repo.path / RECORD).read_bytes()
-    except FileNotFoundError:
-        return {}
-    try:
-        obj = json.loads(data)
-        commits = obj["commits"]
-        if obj.get("version") != 1 or not isinstance(commits, dict):
-            raise ValueError("unknown layout")
-        if not all(is_hex_id(k) and isinstance(v, (int, float)) for k, v in commits.items()):
-            raise ValueError("bad entry")
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CorruptObject(f"{repo.path / RECORD} is damaged ({exc})") from None
-    return dict(commits)
+    return commit_records.read(repo, RECORD, _is_time)
 
 
 def mark_thinned(repo: Repository, commit_ids: Iterable[str]) -> None:
@@ -58,16 +46,13 @@ def mark_thinned(repo: Repository, commit_ids: Iterable[str]) -> None:
     ids = [c for c in commit_ids]
     if not ids:
         return
-    with FileLock(repo.refs_lock_path, timeout=repo.lock_timeout):
-        record = thinned(repo)
-        now = time.time()
-        added = {c: now for c in ids if c not in record}
-        if not added:
-            return
-        record.update(added)
-        body = json.dumps({"version": 1, "commits": dict(sorted(record.items()))},
-                          indent=0).encode() + b"\n"
-        fsutil.atomic_write(repo.path / RECORD, body, tmp_dir=repo.tmp_dir)
+    now = time.time()
+
+    def add(record: dict[str, float]) -> None:
+        for c in ids:
+            record.setdefault(c, now)
+
+    commit_records.update(repo, RECORD, _is_time, add)
 
 
 def refuse_thinned(repo: Repository, commit_id: str) -> None:
