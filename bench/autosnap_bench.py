@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
 import statistics
 import sys
 import time
@@ -38,8 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests" / "helper"), str(ROOT / "tests" / "reliability"),
                 str(ROOT / "bench")]
-from benchkit import markdown_table  # noqa: E402
-from helperkit import HelperDaemon, make_base  # noqa: E402
+from benchkit import helper_in_base, markdown_table  # noqa: E402
 from reliakit import ServerProcess  # noqa: E402
 from wake_bench import run_cell  # noqa: E402
 
@@ -111,13 +109,8 @@ async def undo_against_restore(server, kernel_id, ws, repeat: int) -> tuple[floa
 
 
 async def main_async(args) -> None:
-    base = make_base()
-    helper = HelperDaemon(base / "helper")
-    (base / "helper").mkdir()
-    helper.__post_init__()
-    helper.start()
     rows = []
-    try:
+    with helper_in_base() as (base, helper):
         for mib in args.mib:
             cells = notebook(mib, args.fit_s)
             runs = {}
@@ -164,9 +157,6 @@ async def main_async(args) -> None:
                    "restore": f"{extra['restore']:.2f} s" if "restore" in extra else "-"}
             rows.append(row)
             print(row, flush=True)
-    finally:
-        helper.stop()
-        shutil.rmtree(base, ignore_errors=True)
     print(markdown_table(rows, [("set", "working set"), ("cells", "cells"),
                                 ("off", "notebook, snapshots off"), ("on", "on"),
                                 ("overhead", "overhead"),
@@ -250,16 +240,8 @@ def main() -> None:
 
 
 async def session_main(args) -> None:
-    base = make_base()
-    helper = HelperDaemon(base / "helper")
-    (base / "helper").mkdir()
-    helper.__post_init__()
-    helper.start()
-    try:
+    with helper_in_base() as (base, helper):
         await session(args, base, helper)
-    finally:
-        helper.stop()
-        shutil.rmtree(base, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,6 +42,21 @@ def start_helper(work_dir: str | None = None) -> HelperDaemon:
     daemon.start()
     os.environ["INFINIJUP_HELPER_SOCKET"] = daemon.socket_path
     return daemon
+
+
+@contextlib.contextmanager
+def helper_in_base(extra_args: tuple[str, ...] = ()) -> Iterator[tuple[Path, HelperDaemon]]:
+    """A temp base with a helper daemon in ``<base>/helper``, both gone afterwards: for
+    benchmarks that start servers of their own beside it (``reliakit.ServerProcess``)."""
+    base = make_base()
+    (base / "helper").mkdir()
+    helper = HelperDaemon(base / "helper", extra_args=extra_args)
+    helper.start()
+    try:
+        yield base, helper
+    finally:
+        helper.stop()
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def start_server(base: Path, helper_socket: str, store: str, manager: dict | None = None):

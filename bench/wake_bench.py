@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -31,8 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests" / "helper"), str(ROOT / "tests" / "reliability"),
                 str(ROOT / "bench")]
-from benchkit import markdown_table  # noqa: E402
-from helperkit import HelperDaemon, make_base  # noqa: E402
+from benchkit import helper_in_base, markdown_table  # noqa: E402
 from reliakit import ServerProcess  # noqa: E402
 
 
@@ -101,13 +99,8 @@ async def one_size(server: ServerProcess, kind: str, nbytes: int, repeat: int,
 
 
 async def main_async(args) -> None:
-    base = make_base()
-    helper = HelperDaemon(base / "helper")
-    (base / "helper").mkdir()
-    helper.__post_init__()
-    helper.start()
     rows = []
-    try:
+    with helper_in_base() as (base, helper):
         runs = [("cpu", m * 2**20, f"CPU {m} MiB", None) for m in args.cpu_mib] + \
                [("gpu", int(g * 10**9), f"GPU {g} GB, {path}", path)
                 for path in args.paths for g in args.gpu_gb]
@@ -125,9 +118,6 @@ async def main_async(args) -> None:
             rows.append({"kernel": label, **{k: "-" if v is None else f"{v:.2f} s"
                                              for k, v in r.items()}})
             print(rows[-1], flush=True)
-    finally:
-        helper.stop()
-        shutil.rmtree(base, ignore_errors=True)
     print(markdown_table(rows, [("kernel", "kernel"), ("release", "GPU release"),
                                 ("release_wake", "first cell after release"),
                                 ("hibernate", "hibernate (snapshot + end)"),
