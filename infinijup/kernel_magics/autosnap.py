@@ -149,9 +149,8 @@ class AutoSnapshots:
             self.last_decision = "the cell changed no variable"
             self.skipped += 1
             return
-        self.taken += 1
+        self.taken += 1  # (take() noted what it held the cell: the next prediction)
         self._said_error = False
-        self.last_pause_s = float(result["held_s"])
 
     def status(self) -> str:
         s = self.settings

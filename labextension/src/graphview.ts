@@ -303,16 +303,8 @@ export class GraphView extends Widget {
           )}">HEAD</span>`
         );
       }
-      const gpuChip = gpu
-        ? `<span class="jp-Infinijup-chip jp-Infinijup-chip-gpu" title="Holds GPU state (${formatBytes(
-            c.stats.gpu_bytes ?? 0
-          )})">GPU</span>`
-        : '';
-      const autoChip = c.thinned
-        ? '<span class="jp-Infinijup-chip jp-Infinijup-chip-auto" title="An automatic snapshot thinned with age: its record stays, its images are gone">thinned</span>'
-        : c.metadata?.auto
-          ? '<span class="jp-Infinijup-chip jp-Infinijup-chip-auto" title="Taken automatically after this cell (Undo goes back through these)">auto</span>'
-          : '';
+      const gpuChip = gpu ? gpuChipHtml(c) : '';
+      const autoChip = autoChipHtml(c);
       const kind = c.message
         ? ''
         : cellLabel(c)
@@ -553,6 +545,23 @@ export function rowSvg(
   return `<svg class="jp-Infinijup-row-graph" width="${width}" height="${h}" viewBox="0 0 ${width} ${h}" aria-hidden="true">${paths.join(
     ''
   )}${dot}</svg>`;
+}
+
+/** The GPU chip of a commit that holds GPU state. */
+export function gpuChipHtml(c: ICommit): string {
+  return `<span class="jp-Infinijup-chip jp-Infinijup-chip-gpu" title="Holds GPU state (${formatBytes(
+    c.stats.gpu_bytes ?? 0
+  )})">GPU</span>`;
+}
+
+/** "thinned" or "auto" for an automatic snapshot ('' for the user's own). */
+export function autoChipHtml(c: ICommit): string {
+  if (c.thinned) {
+    return '<span class="jp-Infinijup-chip jp-Infinijup-chip-auto" title="An automatic snapshot thinned with age: its record stays, its images are gone">thinned</span>';
+  }
+  return c.metadata?.auto
+    ? '<span class="jp-Infinijup-chip jp-Infinijup-chip-auto" title="Taken automatically after this cell (Undo goes back through these)">auto</span>'
+    : '';
 }
 
 const ESC: { [c: string]: string } = {

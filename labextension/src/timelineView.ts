@@ -23,7 +23,7 @@ import {
   hasGpu,
   shortId
 } from './format';
-import { esc } from './graphview';
+import { autoChipHtml, esc, gpuChipHtml } from './graphview';
 import type { HistoryModel } from './model';
 
 /** Changed variables named in a row, before "+N". */
@@ -139,19 +139,9 @@ export class TimelineView extends Widget {
         '<span class="jp-Infinijup-chip" title="Undone: newer than where the kernel is; Redo (or a restore) brings it back">undone</span>'
       );
     }
-    if (e.thinned) {
-      chips.push(
-        '<span class="jp-Infinijup-chip jp-Infinijup-chip-auto" title="Thinned with age: its record stays, its images are gone">thinned</span>'
-      );
-    } else if (e.auto) {
-      chips.push(
-        '<span class="jp-Infinijup-chip jp-Infinijup-chip-auto" title="Taken automatically after this cell">auto</span>'
-      );
-    }
+    chips.push(autoChipHtml(c));
     if (hasGpu(c)) {
-      chips.push(
-        '<span class="jp-Infinijup-chip jp-Infinijup-chip-gpu">GPU</span>'
-      );
+      chips.push(gpuChipHtml(c));
     }
     const source = e.source
       ? `<code class="jp-Infinijup-cell-source">${esc(e.source)}</code>`
