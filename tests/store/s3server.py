@@ -27,6 +27,7 @@ import botocore.config
 import botocore.exceptions
 import pytest
 
+MAX_VOLUMES = 400  # a volume per bucket (see S3Server); a test module makes a few dozen
 START_TIMEOUT = 180.0  # hang guard only: a busy 2-core machine starts it in ~5-20 s
 
 
@@ -71,6 +72,13 @@ class S3Server:
             "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
             "actions": ["Admin", "Read", "List", "Tagging", "Write"],
         }]}))
+        # Every bucket is a SeaweedFS collection, and by default each collection grows 7
+        # volumes at once; with ``-volume.max=0`` the volume count is free disk / 64 MB. On a
+        # CI machine with a few GB free that ran out after about a dozen buckets and writes
+        # failed with InternalError. One volume per growth and a fixed count (volumes are
+        # sparse files, not preallocated) make the server the same on every machine.
+        (root / "master.toml").write_text("[master.volume_growth]\ncopy_1 = 1\n"
+                                          "copy_2 = 1\ncopy_3 = 1\ncopy_other = 1\n")
         self.log_path = root / "weed.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -108,7 +116,7 @@ class S3Server:
                f"-filer.localSocket={self.root / 'filer.sock'}",
                f"-s3.localSocket={self.root / 's3.sock'}",
                "-s3.port.iceberg=0", "-s3.port.lance=0", "-s3.autoCreateBucket=false",
-               "-master.volumeSizeLimitMB=64", "-volume.max=0", "-s3.iam=false",
+               "-master.volumeSizeLimitMB=64", f"-volume.max={MAX_VOLUMES}", "-s3.iam=false",
                "-volume.preStopSeconds=0"]
         log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the child
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
