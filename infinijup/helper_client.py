@@ -52,12 +52,17 @@ class RestoreResult:
     duration_s: float
     phases: Mapping[str, float]
     gpu: Mapping[str, Any] | None = None
+    pages: Mapping[str, Any] | None = None  # a lazy restore's page stream (see status)
+    whole_why: str | None = None  # asked for lazy, restored whole: why
 
 
 @dataclass(frozen=True)
 class ProcessStatus:
     alive: bool
     exit_code: int | None  # negative: killed by that signal; None: unknown or still running
+    # a lazily restored tree's memory: state "streaming", "resident" or "failed" (error: why),
+    # resident_s (restore start to all memory back), daemon_pid; None: restored whole
+    pages: Mapping[str, Any] | None = None
 
 
 def default_socket_path() -> str:
@@ -130,6 +135,7 @@ class HelperClient:
         port_map: Sequence[tuple[int, int]] = (),
         log_path: str | None = None,
         path_map: Sequence[tuple[str, str]] = (),
+        lazy: bool = False,
     ) -> RestoreResult:
         """``path_map`` (saved socket path, new path), ``port_map`` (saved TCP port, new port)
         and ``log_path`` restore the images into another kernel session: its endpoints and its
@@ -143,8 +149,11 @@ class HelperClient:
             args["path_map"] = [list(p) for p in path_map]
         if log_path is not None:
             args["log_path"] = log_path
+        if lazy:
+            args["lazy"] = True
         r = self.call("restore", args, on_progress)
-        return RestoreResult(int(r["pid"]), r["duration_s"], dict(r["phases"]), r.get("gpu"))
+        return RestoreResult(int(r["pid"]), r["duration_s"], dict(r["phases"]), r.get("gpu"),
+                             r.get("pages"), r.get("whole_why"))
 
     def gpu(self, pid: int, action: str) -> dict[str, Any]:
         """``action`` "release": move the tree's VRAM to host memory and free the GPU, the
@@ -167,7 +176,7 @@ class HelperClient:
 
     def status(self, pid: int) -> ProcessStatus:
         r = self.call("status", {"pid": pid})
-        return ProcessStatus(bool(r["alive"]), r["exit_code"])
+        return ProcessStatus(bool(r["alive"]), r["exit_code"], r.get("pages"))
 
     def trees(self) -> list[int]:
         """Root pids of the caller's live kernel trees, as the helper recorded them when it

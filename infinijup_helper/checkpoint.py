@@ -33,6 +33,7 @@ from .criu import (
     private_page_files,
     tree_tasks,
 )
+from .lazy_pages import PageStream, processes_to_serve
 from .paths import Staging, WorkDirs
 from .proc import Caller, read_proc, tree_members
 from .protocol import RequestError
@@ -349,6 +350,8 @@ class RestoreJob:
     gpu_map: tuple[tuple[str, str], ...] = ()
     retarget: RetargetPlan = field(default_factory=RetargetPlan)  # see retarget.py
     retargeted: dict = field(default_factory=dict)
+    lazy: bool = False  # leave private memory to a page daemon (lazy_pages.py)
+    stream: PageStream | None = None
 
     @property
     def replace_pid(self) -> int | None:
@@ -483,12 +486,22 @@ class CriuRestore(StageBase):
         self.criu = criu
 
     def run(self, job: RestoreJob) -> None:
+        stream = None
+        if job.lazy:
+            expect = processes_to_serve(self.criu, job.staging.fd)
+            argv = self.criu.command(job.run_as)
+            if job.run_as is not None:
+                argv.append("--unprivileged")
+            stream = job.stream = PageStream(argv, job.staging.fd)
+
         def on_notify(action: str, pid: int | None) -> None:
             # The restored tree exists, frozen, not yet running: record it now, so that a
             # helper that dies from here on still knows whose tree this is (registry.py).
             if action == "post-restore" and pid is not None:
                 job.registry.add(pid, job.caller.uid)
                 job.pid = pid
+            if action == "post-restore" and stream is not None:
+                stream.hold_uffds(expect)  # before it runs: see lazy_pages.py
 
         def pages_unchanged() -> None:
             for name, size in job.linked.items():
@@ -504,11 +517,18 @@ class CriuRestore(StageBase):
 
         deadline = self.criu.deadline_s(job.staged_bytes)
         detached = detached_inodes(self.criu.load_image(job.staging.fd, FILES_IMAGE))
-        with closed_ends(detached) as inherit:
-            pid = self.criu.restore(job.staging.fd, run_as=job.run_as, deadline_s=deadline,
-                                    on_notify=on_notify, watch=pages_unchanged,
-                                    on_abort=aborted, cgroup_procs=job.cgroup_procs,
-                                    inherit=inherit)
+        try:
+            with closed_ends(detached) as inherit:
+                pid = self.criu.restore(job.staging.fd, run_as=job.run_as,
+                                        deadline_s=deadline, on_notify=on_notify,
+                                        watch=pages_unchanged, on_abort=aborted,
+                                        cgroup_procs=job.cgroup_procs, inherit=inherit,
+                                        lazy=stream is not None)
+        except BaseException:
+            if stream is not None:
+                stream.abort()
+                job.stream = None
+            raise
         if job.pid is None:  # no post-restore notification: record it now
             job.registry.add(pid, job.caller.uid)
         job.pid = pid

@@ -270,12 +270,15 @@ class Criu:
         return self.settings.timeout_s + moved_bytes / self.settings.min_rate
 
     def _argv(self, fd: int, run_as: RunAs | None) -> list[str]:
-        argv = [self.binary, "swrk", str(fd)]
+        return [*self.command(run_as), "swrk", str(fd)]
+
+    def command(self, run_as: RunAs | None) -> list[str]:
+        """CRIU's binary, run as ``run_as`` (None: root)."""
         if run_as is None:
-            return argv
+            return [self.binary]
         if self._setpriv is None:
             self._setpriv = find_setpriv()
-        return run_as.setpriv_argv(self._setpriv) + argv
+        return [*run_as.setpriv_argv(self._setpriv), self.binary]
 
     def _request(self, kind: str, images_fd: int, log_name: str, configure: Any, *,
                  run_as: RunAs | None, deadline_s: float, on_notify: Notify | None = None,
@@ -401,11 +404,13 @@ class Criu:
                 on_notify: Notify | None = None, watch: Callable[[], None] | None = None,
                 on_abort: Callable[[], None] | None = None,
                 cgroup_procs: str | None = None,
-                inherit: list[tuple[str, int]] = ()) -> int:
+                inherit: list[tuple[str, int]] = (), lazy: bool = False) -> int:
         """Restore a tree as a child of the helper; return the root's host pid. ``inherit``:
-        (CRIU's resource key, descriptor) pairs put in place of those resources."""
+        (CRIU's resource key, descriptor) pairs put in place of those resources. ``lazy``:
+        private memory is left to a running lazy-pages daemon (lazy_pages.py)."""
 
         def configure(opts: Any) -> None:
+            opts.lazy_pages = lazy
             for key, fd in inherit:
                 opts.inherit_fd.add(key=key, fd=fd)
             # Connections of snapshot time have no live peer any more (and restoring them

@@ -46,6 +46,7 @@ from .creds import (
 from .criu import Criu, KeyedLocks
 from .cuda_stage import CudaResumeAfterDump, CudaResumeRestored, CudaSuspend, resume_tree
 from .host_files import CheckHostFiles
+from .lazy_pages import PageStream
 from .limits import Limits, caller_rlimits
 from .paths import WorkDirs, check_target_free, remove_entry
 from .proc import Caller, authorize_members, owns, read_proc
@@ -134,6 +135,7 @@ class Operations:
         # pids free, which they are when a kernel is restored in place.
         self.pid_namespace = (not features.cuda) if pid_namespace is None else pid_namespace
         self.locks = KeyedLocks()
+        self.streams: dict[int, PageStream] = {}  # lazily restored trees (lazy_pages.py)
         # What running a non-root caller's tree and CRIU as that caller needs from our root.
         needed = set(CRIU_DUMP_CAPS) | set(CRIU_RESTORE_CAPS) | set(NSINIT_CAPS_PIDNS)
         self.missing_caps = sorted(c for c in needed if not has_capability(c))
@@ -339,7 +341,8 @@ class Operations:
                         if args.log_path is not None else None)
             images_fd = self.work.open_dir(caller, args.images_dir)
             cleanup.callback(os.close, images_fd)
-            staging = cleanup.enter_context(self.work.staging("restore", owner=caller))
+            kept = cleanup.enter_context(contextlib.ExitStack())  # a lazy restore keeps it
+            staging = kept.enter_context(self.work.staging("restore", owner=caller))
             job = RestoreJob(
                 caller=caller,
                 images_fd=images_fd,
@@ -354,11 +357,48 @@ class Operations:
                 retarget=RetargetPlan(port_map=args.port_map, path_map=args.path_map,
                                       log_path=log_path),
                 cgroup_procs=caller_cgroup_procs(caller, self.cgroup_mount),
+                lazy=args.lazy and not self._whole_why(run_as),
             )
             stages = self.restore_stages()
-            phases = run_stages(stages, job, progress)
+            try:
+                phases = run_stages(stages, job, progress)
+            except BaseException:
+                if job.stream is not None:
+                    job.stream.abort()
+                raise
+            if job.stream is not None:
+                self._stream_pages(caller, job, kept.pop_all())
         return {"pid": job.pid, "duration_s": round(time.monotonic() - start, 6), "phases": phases,
-                "gpu": _gpu_summary(stages), "retargeted": job.retargeted}
+                "gpu": _gpu_summary(stages), "retargeted": job.retargeted,
+                "pages": self.streams[job.pid].report() if job.stream is not None else None,
+                "whole_why": self._whole_why(run_as) if args.lazy else None}
+
+    def _whole_why(self, run_as: RunAs | None) -> str | None:
+        """Why a lazy restore is made whole instead (None: it can be lazy)."""
+        if self.features.cuda:
+            return "a GPU kernel's memory goes back onto the GPU at once (restored whole)"
+        if run_as is not None:
+            # CRIU 4.2's unprivileged mode never opens a userfaultfd (kerndat_uffd skips it),
+            # though the capabilities CRIU runs with here (CAP_SYS_PTRACE) would allow it
+            return ("CRIU runs as the caller (unprivileged mode), where it has no lazy pages "
+                    "(restored whole)")
+        return None
+
+    def _stream_pages(self, caller: Caller, job: RestoreJob, kept: contextlib.ExitStack) -> None:
+        """A lazy restore's tree runs: its page daemon and staging dir live on until its
+        memory is all back; if the daemon fails first, the tree is ended (lazy_pages.py)."""
+        stream, pid = job.stream, job.pid
+        assert stream is not None and pid is not None
+        stream.keep(kept)
+
+        def kill_tree() -> None:
+            with self.registry.hold(caller.uid, pid) as held:
+                terminate_tree(held)
+            if self.registry.lookup(pid) is not held.tree:
+                self.tree_ended(held.tree)
+
+        self.streams[pid] = stream
+        stream.watch(kill_tree)
 
     def kill(self, caller: Caller, args: p.KillArgs, progress: Progress) -> Result:
         with self._tree(caller, args.pid) as tree:
@@ -407,12 +447,13 @@ class Operations:
                 raise RequestError("permission_denied",
                                    f"process {args.pid} does not belong to uid {caller.uid}")
             if tree.alive():
-                return {"alive": True, "exit_code": None}
+                return {"alive": True, "exit_code": None, "pages": self._pages(args.pid)}
             self.registry.wait_gone(args.pid, 2.0)  # exited a moment ago; let it be reaped
         record = self.registry.exit_record(args.pid)
         if record is not None:
             if caller.is_root or record.owner_uid == caller.uid:
-                return {"alive": False, "exit_code": record.exit_code}
+                return {"alive": False, "exit_code": record.exit_code,
+                        "pages": self._pages(args.pid)}
             return {"alive": False, "exit_code": None}
         info = read_proc(args.pid)  # not a tree: any process of the caller's own
         if info is not None and not info.is_zombie:
@@ -421,6 +462,11 @@ class Operations:
                                    f"process {args.pid} does not belong to uid {caller.uid}")
             return {"alive": True, "exit_code": None}
         return {"alive": False, "exit_code": None}
+
+    def _pages(self, pid: int) -> dict[str, Any] | None:
+        """Where a lazily restored tree's memory stands (None: restored whole)."""
+        stream = self.streams.get(pid)
+        return stream.report() if stream is not None else None
 
     def trees(self, caller: Caller, args: p.TreesArgs, progress: Progress) -> Result:
         """The caller's live trees, as this helper recorded them (also after a restart)."""

@@ -79,6 +79,7 @@ class RestoreArgs:
     port_map: tuple[tuple[int, int], ...] = ()
     path_map: tuple[tuple[str, str], ...] = ()
     log_path: str | None = None
+    lazy: bool = False  # run before the memory is back (lazy_pages.py)
 
 
 @dataclass(frozen=True)
@@ -317,6 +318,7 @@ ARG_SPECS: dict[str, tuple[type, dict[str, tuple[Validator, Any]]]] = {
             "port_map": (_port_map, ()),
             "path_map": (_path_map, ()),
             "log_path": (_optional_path, None),
+            "lazy": (_bool, False),
         },
     ),
     "kill": (KillArgs, {"pid": (_pid, _REQUIRED)}),

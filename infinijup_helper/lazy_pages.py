@@ -1,0 +1,207 @@
+"""Lazy restore: the tree runs before its memory is back.
+
+CRIU restores the process tree with its private anonymous memory registered with a
+userfaultfd per process, and its ``lazy-pages`` daemon (started here, as the caller, on the
+restore's staging dir) copies each page in on first touch and streams the rest behind the
+running kernel, then exits 0: the tree is fully resident.
+
+The danger is the daemon ending early. A fault on a registered range waits for the daemon,
+but once the last descriptor of a userfaultfd is closed the kernel forgets the registration
+and a fault gets a fresh zero page: the kernel would go on with wrong memory and no error.
+So the helper keeps its own reference to every userfaultfd the daemon holds (``pidfd_getfd``;
+taken before the tree resumes, renewed every ``WATCH_S`` for processes the kernel forks). A
+fault without a daemon then waits, killably, and the watcher, which sees the daemon end early,
+kills the tree and records why; only then are the references dropped. A process forked less
+than ``WATCH_S`` before the daemon dies is the one gap (its descriptor not yet taken).
+
+The page files stay in the staging dir until the daemon is done (``keep``): a linked page
+file is the caller's own inode, and a caller who truncates it only breaks their own kernel
+(the daemon's read fails, the tree is killed, the reason recorded).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .criu import CriuFailed, log_tail
+from .protocol import RequestError
+
+log = logging.getLogger(__name__)
+
+SOCKET = "lazy-pages.socket"  # CRIU's fixed name, in the work dir (the staging dir)
+LOG = "lazy-pages.log"
+START_S = 30.0  # hang guards: the daemon's socket appears in milliseconds
+RECEIVE_S = 60.0
+WATCH_S = 0.05
+UFFD_LINK = "anon_inode:[userfaultfd]"
+_SYS_PIDFD_GETFD = 438
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _pidfd_getfd(pidfd: int, fd: int) -> int:
+    got = _libc.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
+    if got < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return got
+
+
+class PageStream:
+    """One lazy restore's page daemon, and the helper's hold on its userfaultfds."""
+
+    def __init__(self, argv: list[str], staging_fd: int) -> None:
+        self.staging_fd = staging_fd
+        self.proc = subprocess.Popen(
+            [*argv, "lazy-pages", "-D", f"/proc/self/fd/{staging_fd}",
+             "-o", LOG, "-v2"],
+            pass_fds=(staging_fd,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, cwd="/")
+        self.pidfd = os.pidfd_open(self.proc.pid)
+        self.started = time.monotonic()
+        self.state = "starting"  # then streaming, resident or failed
+        self.error: str | None = None
+        self.resident_s: float | None = None
+        self._held: list[int] = []
+        self._lock = threading.Lock()
+        self._kept = contextlib.ExitStack()
+        try:
+            self._wait_socket()
+        except BaseException:
+            self.abort()
+            raise
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _wait_socket(self) -> None:
+        deadline = time.monotonic() + START_S
+        while True:
+            try:
+                os.stat(SOCKET, dir_fd=self.staging_fd, follow_symlinks=False)
+                return
+            except FileNotFoundError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise CriuFailed("CRIU's lazy-pages daemon did not start\n"
+                                 + log_tail(self.staging_fd, LOG))
+            time.sleep(0.005)
+
+    def _uffds(self) -> list[int]:
+        found = []
+        base = f"/proc/{self.proc.pid}/fd"
+        try:
+            names = os.listdir(base)
+        except OSError:
+            return []
+        for name in names:
+            try:
+                if os.readlink(f"{base}/{name}") == UFFD_LINK:
+                    found.append(int(name))
+            except OSError:
+                continue
+        return found
+
+    def _renew(self) -> int:
+        """Take a reference to every userfaultfd the daemon holds now, then drop the old
+        ones (never a moment without); how many are held."""
+        new = []
+        for fd in self._uffds():
+            try:
+                new.append(_pidfd_getfd(self.pidfd, fd))
+            except OSError:
+                continue  # closed meanwhile (its process is fully resident, or gone)
+        with self._lock:
+            old, self._held = self._held, new
+        for fd in old:
+            os.close(fd)
+        return len(new)
+
+    def hold_uffds(self, expect: int) -> None:
+        """At CRIU's post-restore (the tree made, not resumed): wait until the daemon has
+        received the ``expect`` userfaultfds and take them; else the restore fails."""
+        deadline = time.monotonic() + RECEIVE_S
+        while self._renew() < expect:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RequestError(
+                    "criu_failed", f"CRIU's lazy-pages daemon did not receive the {expect} "
+                    "processes' memory to serve\n" + log_tail(self.staging_fd, LOG))
+            time.sleep(0.005)
+        self.state = "streaming"
+
+    def keep(self, resources: contextlib.ExitStack) -> None:
+        """What must outlive the restore op until the daemon is done (the staging dir)."""
+        self._kept.enter_context(resources)
+
+    def watch(self, kill_tree: Callable[[], None],
+              on_end: Callable[[PageStream], None] = lambda s: None) -> None:
+        """Follow the daemon in a thread until it exits (see the module docs)."""
+
+        def run() -> None:
+            while self.proc.poll() is None:
+                try:
+                    self.proc.wait(timeout=WATCH_S)
+                except subprocess.TimeoutExpired:
+                    self._renew()
+            if self.proc.returncode == 0:
+                self.state = "resident"
+            else:
+                self.error = (f"the page daemon ended (exit {self.proc.returncode}) before "
+                              "the kernel's memory was back; the kernel was ended\n"
+                              + log_tail(self.staging_fd, LOG))
+                self.state = "failed"
+                try:
+                    kill_tree()  # before the references go: its faults wait until then
+                except Exception:  # noqa: BLE001 - the tree may be gone already
+                    log.exception("lazy restore: ending tree after daemon failure")
+            self.resident_s = round(time.monotonic() - self.started, 6)
+            self._release()
+            on_end(self)
+
+        threading.Thread(target=run, name=f"lazy-pages-{self.proc.pid}", daemon=True).start()
+
+    def abort(self) -> None:
+        """The restore failed: stop the daemon and let go of everything."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.state = "failed"
+        self._release()
+
+    def _release(self) -> None:
+        with self._lock:
+            held, self._held = self._held, []
+        for fd in held:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.close(self.pidfd)
+        self._kept.close()
+
+    def report(self) -> dict[str, Any]:
+        return {"state": self.state, "daemon_pid": self.proc.pid, "error": self.error,
+                "resident_s": self.resident_s}
+
+
+_NOT_SERVED = {2, 6, 0x80, "DEAD", "Dead", "dead", "ZOMBIE", "Zombie", "zombie",
+               "HELPER", "Helper", "helper"}
+
+
+def processes_to_serve(criu: Any, dir_fd: int) -> int:
+    """How many userfaultfds a lazy restore of these images hands the daemon: one per
+    process that comes back alive (a zombie or a CRIU helper task sends none)."""
+    from .criu import tree_tasks
+
+    count = 0
+    for task in tree_tasks(criu, dir_fd):
+        core = criu.load_image(dir_fd, f"core-{task['pid']}.img").get("entries", [{}])[0]
+        if core.get("tc", {}).get("task_state") not in _NOT_SERVED:
+            count += 1
+    return count

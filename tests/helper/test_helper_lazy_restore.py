@@ -1,0 +1,194 @@
+"""Lazy restore through the helper: a real ipykernel answers before its memory is back, every
+page arrives intact, and a page daemon that dies mid-stream ends the kernel (no hang, no
+zeroed memory) and leaves the images for a second restore."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helperkit import HelperDaemon, Kernel, make_base, needs_root_and_criu
+
+pytestmark = needs_root_and_criu
+
+MIB = 384  # the kernel's random bytes: a few hundred pages' worth of streaming at least
+FILL = (f"import os, hashlib\nblob = bytearray(os.urandom({MIB} << 20))\n"
+        "digest = hashlib.blake2b(blob).hexdigest()")
+CHECK = "hashlib.blake2b(blob).hexdigest() == digest"
+
+
+@pytest.fixture(scope="module")
+def helper() -> Iterator[HelperDaemon]:
+    """This module's own helper, with hold points (infinijup_helper/holds.py)."""
+    holds = Path(make_base()) / "holds"
+    holds.mkdir()
+    daemon = HelperDaemon(make_base(), extra_env={"INFINIJUP_HELPER_HOLDS": str(holds)})
+    daemon.holds_dir = str(holds)  # type: ignore[attr-defined]
+    daemon.start()
+    yield daemon
+    for entry in holds.iterdir():
+        entry.unlink()
+    daemon.stop()
+    shutil.rmtree(daemon.base, ignore_errors=True)
+    shutil.rmtree(holds.parent, ignore_errors=True)
+
+
+def _wait(predicate, what: str, timeout: float = 120.0):  # noqa: ANN001, ANN202
+    deadline = time.monotonic() + timeout  # hang guard only
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"gave up waiting for {what}")
+
+
+def _dump(client, kernel: Kernel) -> str:  # noqa: ANN001
+    kernel.execute(FILL, timeout=120)
+    images = os.path.join(client.work_dir(), f"lazy-{kernel.pid}")
+    client.dump(kernel.pid, images)
+    kernel.execute("blob[:8] = b'changed!'")  # the live kernel moves on; the images do not
+    return images
+
+
+def test_lazy_restore_answers_then_every_page_arrives(client, kernel: Kernel, trees,
+                                                      helper) -> None:
+    images = _dump(client, kernel)
+    restored = client.restore(images, replace_pid=kernel.pid, lazy=True)
+    trees.add(restored.pid)
+    assert restored.pages is not None and restored.pages["state"] == "streaming"
+
+    kernel.wait_answering(timeout=60)
+    done = _wait(lambda: (s := client.status(restored.pid).pages)["state"] != "streaming" and s,
+                 "the page daemon to finish")
+    assert done["state"] == "resident", done
+    assert done["resident_s"] > 0
+    assert kernel.evaluate(ok=CHECK, head="bytes(blob[:8]) != b'changed!'") == {
+        "ok": "True", "head": "True"}
+    assert not os.path.exists(f"/proc/{done['daemon_pid']}")
+    assert _uffds_held(helper) == 0
+
+    # the staging dir went with the daemon; the images are the caller's, untouched
+    client.release(images)
+
+
+def test_the_page_daemon_dying_ends_the_kernel_and_keeps_the_images(
+        client, kernel: Kernel, trees, helper) -> None:
+    images = _dump(client, kernel)
+    holds = Path(helper.holds_dir)
+    point = holds / "criu_restore_post-resume"
+    point.touch()
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(
+        r=client.restore(images, replace_pid=kernel.pid, lazy=True)))
+    worker.start()
+    _wait(lambda: (holds / "criu_restore_post-resume.reached").exists(), "post-resume")
+    daemon = _daemon_of(helper)
+    os.kill(daemon, signal.SIGSTOP)  # mid-stream from here on
+    point.unlink()
+    worker.join(timeout=120)
+    restored = result["r"]
+    trees.add(restored.pid)
+
+    # the kernel runs into a page the stopped daemon has not served (its first steps after
+    # the restore touch plenty) and waits there; a cell is sent to it meanwhile
+    kernel.kc.execute(CHECK, store_history=False)
+    assert client.status(restored.pid).pages["state"] == "streaming"
+    # the helper's own references keep the kernel's faults waiting once the daemon is gone
+    # (the last reference closed, the kernel would get zero pages instead: lazy_pages.py)
+    assert _uffds_held(helper) >= 2  # nsinit and the kernel
+    os.kill(daemon, signal.SIGKILL)
+    status = _wait(lambda: (s := client.status(restored.pid)).pages["state"] == "failed" and s,
+                   "the helper to see the daemon gone")
+    assert "page daemon ended" in status.pages["error"]
+    _wait(lambda: not client.status(restored.pid).alive, "the kernel to be ended")
+    # killed by the helper while it waited in a fault (SIGKILL, -9), not run on with zero
+    # pages (it would crash or compute a wrong digest); nothing of the stream is left
+    assert client.status(restored.pid).exit_code == -9
+    assert _uffds_held(helper) == 0
+
+    # the snapshot is intact: restored again (whole this time), every byte is right
+    again = client.restore(images)
+    trees.add(again.pid)
+    kernel.wait_answering(timeout=60)
+    assert kernel.evaluate(ok=CHECK) == {"ok": "True"}
+    client.release(images)
+
+
+def _daemon_of(helper) -> int:  # noqa: ANN001
+    """The running lazy-pages daemon (the helper's child; one restore at a time here)."""
+    me = helper.proc.pid
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == me and b"lazy-pages" in cmd:
+            return int(entry)
+    raise AssertionError(f"no lazy-pages daemon under the helper {me}")
+
+
+def _uffds_held(helper) -> int:  # noqa: ANN001
+    fds = f"/proc/{helper.proc.pid}/fd"
+    count = 0
+    for name in os.listdir(fds):
+        try:
+            count += os.readlink(f"{fds}/{name}") == "anon_inode:[userfaultfd]"
+        except OSError:
+            continue
+    return count
+
+
+HOLDER = """
+import hashlib, os, signal, sys, time
+blob = bytearray(os.urandom(64 << 20))
+out = sys.argv[1]
+def write(name):
+    with open(name + ".tmp", "w") as f:
+        f.write(hashlib.blake2b(blob).hexdigest())
+    os.rename(name + ".tmp", name)
+write(out)
+signal.signal(signal.SIGUSR1, lambda *_: write(out + ".again"))
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_a_second_account_asking_for_lazy_gets_a_whole_restore_and_why(
+        client, other_account, trees) -> None:
+    """CRIU runs as the caller in its unprivileged mode, which (CRIU 4.2) opens no
+    userfaultfd: the other account's lazy restore comes back whole, saying so, every byte
+    right."""
+    from helperkit import SYSTEM_PYTHON, as_user
+
+    work = as_user(other_account, client.work_dir)["value"]
+    digest = f"{work}/digest"
+    env = {"PATH": "/usr/bin:/bin"}
+    made = as_user(other_account, lambda: client.spawn(
+        [SYSTEM_PYTHON, "-c", HOLDER, digest], env, work, f"{work}/holder.log"))
+    assert "value" in made, made
+    _wait(lambda: os.path.exists(digest), "the holder's digest")
+    images = f"{work}/lazy-images"
+    dumped = as_user(other_account, lambda: client.dump(made["value"], images,
+                                                         leave_running=False).__dict__)
+    assert "value" in dumped, dumped
+    restored = as_user(other_account, lambda: client.restore(images, lazy=True).__dict__)
+    assert "value" in restored, restored
+    pid = trees.add(restored["value"]["pid"])
+    assert restored["value"]["pages"] is None
+    assert "unprivileged mode" in restored["value"]["whole_why"]
+    sent = as_user(other_account, lambda: client.signal(pid, signal.SIGUSR1))
+    assert "value" in sent, sent
+    _wait(lambda: os.path.exists(digest + ".again"), "the digest after the restore")
+    assert Path(digest + ".again").read_text() == Path(digest).read_text()
+    as_user(other_account, lambda: client.kill(pid))
