@@ -138,10 +138,11 @@ def _copy_sparse(fd: int, target: Path) -> None:
 class SnapshotEngine:
     """Snapshot and restore kernel process trees, given a store and a helper client."""
 
-    def __init__(self, repo, helper, hot_tier_bytes: int = 0) -> None:
+    def __init__(self, repo, helper, hot_tier_bytes: int = 0, lazy_restore: bool = False) -> None:
         self.repo = repo
         self.helper = helper
         self.hot_tier_bytes = hot_tier_bytes  # 0: no hot tier (see hot_tier.py)
+        self.lazy_restore = lazy_restore  # restores run before the memory is back (helper)
         self._work_dir: Path | None = None
         self._hot: HotTier | None = None
 
@@ -419,7 +420,8 @@ class SnapshotEngine:
         try:
             result = self.helper.restore(str(images), replace_pid=replace_pid,
                                          on_progress=progress, gpu_map=gpu_map,
-                                         path_map=path_map, log_path=log_path)
+                                         path_map=path_map, log_path=log_path,
+                                         lazy=self.lazy_restore)
         except InfinijupError as exc:
             if getattr(exc, "reason", None) == "missing_files":  # refused before any kill
                 raise PreflightRefused(f"cannot restore here: {exc}",
@@ -432,8 +434,11 @@ class SnapshotEngine:
             raise failed from exc
         finally:
             self._discard(images)
-        return RestoreResult(pid=result.pid, duration_s=time.perf_counter() - t0,
-                             phases=dict(result.phases))
+        phases = dict(result.phases)
+        if self.lazy_restore:  # the memory still streaming in, or why it was restored whole
+            phases["pages"] = dict(result.pages) if result.pages else None
+            phases["whole_why"] = result.whole_why
+        return RestoreResult(pid=result.pid, duration_s=time.perf_counter() - t0, phases=phases)
 
 
 class _IngestProgress:

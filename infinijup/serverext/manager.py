@@ -81,6 +81,11 @@ class SnapshotManager(LoggingConfigurable):
                                   "work dir, so that restoring them skips the store checkout "
                                   "(default: a quarter of the memory, at most 32 GiB; 0: none)."
                              ).tag(config=True)
+    lazy_restore = Bool(False, help="Restores (and wakes, undos) answer before the kernel's "
+                                    "memory is back: its pages come on first touch and stream "
+                                    "in behind (CRIU's lazy pages). Only where the helper runs "
+                                    "CRIU as root and for CPU memory; other restores are whole "
+                                    "and say why.").tag(config=True)
 
     hibernate_after = Float(0.0, help="Seconds a kernel may stay idle before it is hibernated: "
                                       "snapshotted and its process ended; the next cell wakes "
@@ -321,7 +326,8 @@ class SnapshotManager(LoggingConfigurable):
 
     def engine(self) -> SnapshotEngine:
         return SnapshotEngine(self.repo(), HelperClient(config.helper_socket()),
-                              hot_tier_bytes=self.hot_tier_bytes)
+                              hot_tier_bytes=self.hot_tier_bytes,
+                              lazy_restore=self.lazy_restore)
 
     def kernel(self, kernel_id: str):
         if kernel_id not in self.kernel_manager.list_kernel_ids():
