@@ -447,13 +447,12 @@ class Operations:
                 raise RequestError("permission_denied",
                                    f"process {args.pid} does not belong to uid {caller.uid}")
             if tree.alive():
-                return {"alive": True, "exit_code": None, "pages": self._pages(args.pid)}
+                return {"alive": True, "exit_code": None, **self._pages(args.pid)}
             self.registry.wait_gone(args.pid, 2.0)  # exited a moment ago; let it be reaped
         record = self.registry.exit_record(args.pid)
         if record is not None:
             if caller.is_root or record.owner_uid == caller.uid:
-                return {"alive": False, "exit_code": record.exit_code,
-                        "pages": self._pages(args.pid)}
+                return {"alive": False, "exit_code": record.exit_code, **self._pages(args.pid)}
             return {"alive": False, "exit_code": None}
         info = read_proc(args.pid)  # not a tree: any process of the caller's own
         if info is not None and not info.is_zombie:
@@ -463,10 +462,10 @@ class Operations:
             return {"alive": True, "exit_code": None}
         return {"alive": False, "exit_code": None}
 
-    def _pages(self, pid: int) -> dict[str, Any] | None:
-        """Where a lazily restored tree's memory stands (None: restored whole)."""
+    def _pages(self, pid: int) -> dict[str, Any]:
+        """Where a lazily restored tree's memory stands ({"pages": ...}; {}: restored whole)."""
         stream = self.streams.get(pid)
-        return stream.report() if stream is not None else None
+        return {"pages": stream.report()} if stream is not None else {}
 
     def trees(self, caller: Caller, args: p.TreesArgs, progress: Progress) -> Result:
         """The caller's live trees, as this helper recorded them (also after a restart)."""

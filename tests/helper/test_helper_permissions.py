@@ -136,6 +136,7 @@ def test_other_user_sees_no_exit_codes_of_roots_trees(helper, client, trees, oth
     assert as_user(other_user, lambda: other.status(root).__dict__)["value"] == {
         "alive": False,
         "exit_code": None,
+        "pages": None,  # only a lazily restored tree has them
     }
 
 
@@ -216,7 +217,7 @@ def test_other_user_spawns_signals_and_kills_their_own_tree(helper, trees, other
     assert tree.as_user(lambda: tree.client.kill(tree.root)) == {"value": None}
     assert not os.path.exists(f"/proc/{kernel}")
     status = tree.as_user(lambda: tree.client.status(tree.root).__dict__)["value"]
-    assert status == {"alive": False, "exit_code": -9}
+    assert status == {"alive": False, "exit_code": -9, "pages": None}
 
 
 def _ptrace_attach(pid: int) -> int:
