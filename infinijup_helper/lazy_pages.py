@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .criu import CriuFailed, log_tail
+from .criu import CriuFailed, log_tail, tree_tasks
 from .protocol import RequestError
 
 log = logging.getLogger(__name__)
@@ -197,8 +197,6 @@ _NOT_SERVED = {2, 6, 0x80, "DEAD", "Dead", "dead", "ZOMBIE", "Zombie", "zombie",
 def processes_to_serve(criu: Any, dir_fd: int) -> int:
     """How many userfaultfds a lazy restore of these images hands the daemon: one per
     process that comes back alive (a zombie or a CRIU helper task sends none)."""
-    from .criu import tree_tasks
-
     count = 0
     for task in tree_tasks(criu, dir_fd):
         core = criu.load_image(dir_fd, f"core-{task['pid']}.img").get("entries", [{}])[0]
