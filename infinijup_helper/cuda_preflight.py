@@ -41,7 +41,8 @@ class GpuProcess:
 @dataclass(frozen=True)
 class GpuReport:
     # {"gpus": [{index, name, uuid, pci_bus_id, memory_total, mig_enabled}, ...],
-    #  "driver_version", "cuda_driver_version"}: Fingerprint.to_json()'s shape
+    #  "driver_version", "cuda_driver_version", "links": [{a, b, kind, path}, ...]}:
+    #  Fingerprint.to_json()'s shape
     fingerprint: dict[str, Any]
     processes: tuple[GpuProcess, ...]
     mps: bool = False
@@ -71,9 +72,10 @@ def read_nvml() -> GpuReport:
         raise PreflightRefused(f"NVML could not start ({exc}): is the NVIDIA driver loaded?",
                                reason="nvml_unavailable") from exc
     try:
-        gpus, procs = [], []
+        gpus, procs, handles = [], [], []
         for i in range(pynvml.nvmlDeviceGetCount()):
             h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            handles.append(h)
             try:
                 mig = bool(pynvml.nvmlDeviceGetMigMode(h)[0])
             except Exception:
@@ -88,9 +90,44 @@ def read_nvml() -> GpuReport:
                 procs.append(GpuProcess(pid=int(p.pid), gpu_uuid=uuid, used_bytes=int(used)))
         fp = {"gpus": gpus, "driver_version": _s(pynvml.nvmlSystemGetDriverVersion()),
               "cuda_driver_version": int(pynvml.nvmlSystemGetCudaDriverVersion())}
+        if len(handles) > 1:
+            fp["links"] = links(pynvml, handles)
         return GpuReport(fingerprint=fp, processes=tuple(procs))
     finally:
         pynvml.nvmlShutdown()
+
+
+# NVML's nvmlGpuP2PCapsIndex_t (nvidia-ml-py spells NVML_P2P_CAPS_INDEX_READ as a tuple)
+P2P_READ, P2P_NVLINK = 0, 2
+PATHS = {0: "same board", 10: "one PCIe switch", 20: "several PCIe switches",
+         30: "one host bridge", 40: "one NUMA node", 50: "across NUMA nodes"}
+
+
+def links(pynvml, handles: list) -> list[dict]:  # noqa: ANN001
+    """How each pair of GPUs reaches the other: "nvlink", "pcie" (peer-to-peer over PCIe) or
+    "host" (through host memory); the PCIe path between them, as NVML names it."""
+    def p2p(a, b, index: int) -> bool:
+        try:
+            return pynvml.nvmlDeviceGetP2PStatus(a, b, index) == pynvml.NVML_P2P_STATUS_OK
+        except Exception:
+            return False
+
+    out = []
+    for i, a in enumerate(handles):
+        for j in range(i + 1, len(handles)):
+            b = handles[j]
+            if p2p(a, b, P2P_NVLINK):
+                kind = "nvlink"
+            elif p2p(a, b, P2P_READ):
+                kind = "pcie"
+            else:
+                kind = "host"
+            try:
+                path = PATHS.get(int(pynvml.nvmlDeviceGetTopologyCommonAncestor(a, b)), "")
+            except Exception:
+                path = ""
+            out.append({"a": i, "b": j, "kind": kind, "path": path})
+    return out
 
 
 def check(report: GpuReport, tree_pids: set[int]) -> list[str]:

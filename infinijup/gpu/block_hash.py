@@ -8,6 +8,9 @@ snapshot into the same file is already there, byte for byte (with the odds of a 
 collision); only the other blocks are copied. Reading 10 GB on an H100 for this costs tens of
 milliseconds; copying it costs about a second.
 
+On several GPUs (issue 33) each block is hashed on its own card, with that card's copy of the
+multipliers.
+
 The hashes are only as good as the file: the caller forgets them when the file is not the one
 they describe (another inode, a restore brought other contents back).
 """
@@ -30,53 +33,69 @@ class _Span:
                                          "data": (address, False), "version": 3, "strides": None}
 
 
-def prepare() -> None:
-    """Allocate the multipliers (4 MiB on the GPU, kept): before the live ranges are taken."""
+def prepare(devices: list[int] | None = None) -> None:
+    """Allocate the multipliers (4 MiB on each GPU in ``devices``, default the current one,
+    kept): before the live ranges are taken."""
     import torch
 
-    _multipliers(torch)
+    for device in devices if devices is not None else [torch.cuda.current_device()]:
+        _multipliers(torch, device)
 
 
-def _multipliers(torch):  # noqa: ANN001, ANN202
-    if "m" not in _state:
+def _multipliers(torch, device: int):  # noqa: ANN001, ANN202
+    if device not in _state:
         g = torch.Generator(device="cpu").manual_seed(0x1F1A1A)
         m = torch.randint(-(2**62), 2**62, (2, _WORDS), dtype=torch.int64, generator=g) * 2 + 1
-        _state["m"] = m.cuda()
-    return _state["m"]
+        _state[device] = m.to(f"cuda:{device}")
+    return _state[device]
+
+
+Item = tuple[Key, int, int, int]  # (key, address, length, device)
 
 
 def blocks(ranges: list[tuple[int, int]],
-           layout: list[tuple[int, int, int]]) -> list[tuple[Key, int, int]]:
-    """The blocks of ``ranges`` (address, length), each as (key, address, length), cut at the
-    segments' bounds, with its offset in the arena file from ``layout`` (address, size, offset)
-    of the segments on the GPU. Bytes outside them get no block."""
+           layout: list[tuple[int, int, int, int]]) -> list[Item]:
+    """The blocks of ``ranges`` (address, length), each as (key, address, length, device), cut
+    at the segments' bounds, with its offset in the arena file from ``layout`` (address, size,
+    offset, device) of the segments on the GPUs. Bytes outside them get no block."""
     segs = sorted(layout)
     out = []
     for address, length in ranges:
         end = address + length
-        for base, size, offset in segs:
+        for base, size, offset, device in segs:
             lo, hi = max(address, base), min(end, base + size)
             at = lo
             while at < hi:
                 n = min(BLOCK, hi - at)
-                out.append(((at, n, offset + at - base), at, n))
+                out.append(((at, n, offset + at - base), at, n, device))
                 at += n
     return out
 
 
-def hashes(items: list[tuple[Key, int, int]]) -> dict[Key, tuple[int, int]]:
-    """Each block's 128-bit hash, computed on the GPU, where it lies (blocks whose length is not
+def devices_of(layout: list[tuple[int, int, int, int]]) -> list[int]:
+    return sorted({device for *_, device in layout})
+
+
+def hashes(items: list[Item]) -> dict[Key, tuple[int, int]]:
+    """Each block's 128-bit hash, computed on the GPU where it lies (blocks whose length is not
     a multiple of 8 bytes get none: they are always copied)."""
+    out: dict[Key, tuple[int, int]] = {}
+    for device in sorted({item[3] for item in items}):
+        _hash_on(device, [item for item in items if item[3] == device], out)
+    return out
+
+
+def _hash_on(device: int, items: list[Item], out: dict[Key, tuple[int, int]]) -> None:
     import torch
 
-    m = _multipliers(torch)
-    out: dict[Key, tuple[int, int]] = {}
+    m = _multipliers(torch, device)
+    where = f"cuda:{device}"
     run: list[tuple[Key, int]] = []  # consecutive full blocks, contiguous in memory
 
     def flush() -> None:
         if not run:
             return
-        words = torch.as_tensor(_Span(run[0][1], len(run) * _WORDS), device="cuda")
+        words = torch.as_tensor(_Span(run[0][1], len(run) * _WORDS), device=where)
         rows = words.view(len(run), _WORDS)
         sums = [torch.stack([(part * m[0]).sum(1), (part * m[1]).sum(1)], 1)
                 for part in rows.split(_BATCH)]
@@ -84,7 +103,7 @@ def hashes(items: list[tuple[Key, int, int]]) -> dict[Key, tuple[int, int]]:
             out[key] = (pair[0], pair[1])
         run.clear()
 
-    for key, address, n in items:
+    for key, address, n, _ in items:
         if n == BLOCK:
             if run and run[-1][1] + BLOCK != address:
                 flush()
@@ -92,10 +111,9 @@ def hashes(items: list[tuple[Key, int, int]]) -> dict[Key, tuple[int, int]]:
             continue
         flush()
         if n % 8 == 0:
-            words = torch.as_tensor(_Span(address, n // 8), device="cuda")
+            words = torch.as_tensor(_Span(address, n // 8), device=where)
             out[key] = ((words * m[0, :n // 8]).sum().item(), (words * m[1, :n // 8]).sum().item())
     flush()
-    return out
 
 
 def changed(ranges: list[tuple[int, int]], layout: list[tuple[int, int, int]],
@@ -115,10 +133,10 @@ def changed(ranges: list[tuple[int, int]], layout: list[tuple[int, int, int]],
         else:
             copy.append([address, length])
 
-    covered = sum(n for _, _, n in items)
+    covered = sum(n for _, _, n, _ in items)
     if covered != sum(n for _, n in ranges):  # not all inside segments on the GPU: copy all
         return list(ranges), now
-    for key, address, n in items:
+    for key, address, n, _ in items:
         if key not in now or before.get(key) != now[key]:
             add(address, n)
     return [(a, n) for a, n in copy], now

@@ -43,17 +43,38 @@ def _lib() -> ctypes.CDLL:
     return _state["lib"]
 
 
-def install(device: int = 0) -> None:
-    """Route this thread's CUDA allocations on ``device`` to the VMM allocator."""
+def install(device: int | None = None) -> None:
+    """Route this thread's CUDA allocations to the VMM allocator: on ``device``, or on every
+    device PyTorch sees (None). A MemPool belongs to one device, so each device gets its own,
+    all on the same allocator (the segments know their device)."""
     import torch
 
-    if "pool" in _state:
+    if "pools" in _state:
         return
     allocator = torch.cuda.memory.CUDAPluggableAllocator(library_path(), "ij_malloc", "ij_free")
-    pool = torch.cuda.MemPool(allocator.allocator())
-    context = torch.cuda.use_mem_pool(pool, device=device)
-    context.__enter__()
-    _state.update(pool=pool, context=context, allocator=allocator)
+    devices = [device] if device is not None else list(range(torch.cuda.device_count()))
+    pools, contexts = [], []
+    for dev in devices:
+        pool = _pool_on(torch, dev, allocator)
+        context = torch.cuda.use_mem_pool(pool, device=dev)
+        context.__enter__()
+        pools.append(pool)
+        contexts.append(context)
+    _state.update(pools=pools, contexts=contexts, allocator=allocator, devices=devices)
+
+
+def _pool_on(torch, device: int, allocator):  # noqa: ANN001, ANN202
+    """A MemPool of ``device`` (it takes the current device), made without creating a CUDA
+    context there: a kernel that never touches a card must not pay a context on it."""
+    exchange = getattr(torch.cuda, "_maybe_exchange_device", None)
+    if exchange is None:
+        with torch.cuda.device(device):
+            return torch.cuda.MemPool(allocator.allocator())
+    before = exchange(device)
+    try:
+        return torch.cuda.MemPool(allocator.allocator())
+    finally:
+        exchange(before)
 
 
 ON_SHORT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_size_t, ctypes.c_int)
@@ -136,14 +157,14 @@ def _flat(pairs) -> ctypes.Array:  # noqa: ANN001
     return (ctypes.c_ulonglong * (2 * len(pairs) or 1))(*(v for pair in pairs for v in pair))
 
 
-def layout() -> list[tuple[int, int, int]]:
-    """The segments on the GPU as (address, size, offset in the arena file); a segment keeps its
-    offset from one :func:`sleep_into` to the next."""
+def layout() -> list[tuple[int, int, int, int]]:
+    """The segments on the GPUs as (address, size, offset in the arena file, device); a segment
+    keeps its offset from one :func:`sleep_into` to the next."""
     lib = _lib()
     count = lib.ij_layout(None, 0)
-    out = (ctypes.c_ulonglong * (3 * count or 1))()
+    out = (ctypes.c_ulonglong * (4 * count or 1))()
     count = min(count, lib.ij_layout(out, count))
-    return [(out[3 * i], out[3 * i + 1], out[3 * i + 2]) for i in range(count)]
+    return [(out[4 * i], out[4 * i + 1], out[4 * i + 2], out[4 * i + 3]) for i in range(count)]
 
 
 def set_copy(pairs: list[tuple[int, int]] | None) -> None:

@@ -75,6 +75,8 @@ static struct {
     CUresult (*dtoh)(void *, CUdeviceptr, size_t);
     CUresult (*htod)(CUdeviceptr, const void *, size_t);
     CUresult (*synchronize)(void);
+    CUresult (*device_count)(int *);
+    CUresult (*can_access_peer)(int *, CUdevice, CUdevice);
 } cu;
 
 typedef struct Segment {
@@ -127,6 +129,8 @@ static int load(void) {
     SYM(dtoh, "cuMemcpyDtoH_v2");
     SYM(htod, "cuMemcpyHtoD_v2");
     SYM(synchronize, "cuCtxSynchronize");
+    SYM(device_count, "cuDeviceGetCount");
+    SYM(can_access_peer, "cuDeviceCanAccessPeer");
 #undef SYM
     loaded = 1;
     return 1;
@@ -142,6 +146,55 @@ static int ensure_context(int device) {
     return cu.ctx_set_current(ctx) == 0;
 }
 
+/* Several GPUs (issue 33): the primary context of each device a segment lives on, retained
+ * once. Copies and synchronizations of a segment run in its own device's context, so each
+ * card's copy engine moves its own bytes. */
+#define MAX_DEVICES 64
+static CUcontext device_ctx[MAX_DEVICES];
+
+static CUcontext context_of(int device) {
+    if (device < 0 || device >= MAX_DEVICES) return 0;
+    if (!device_ctx[device]) {
+        CUdevice dev;
+        CUcontext ctx = 0;
+        if (cu.device_get(&dev, device) != 0 || cu.primary_ctx_retain(&ctx, dev) != 0) return 0;
+        device_ctx[device] = ctx;
+    }
+    return device_ctx[device];
+}
+
+/* Make `device`'s context current (0 on failure). */
+static int use_device(int device) {
+    CUcontext want = context_of(device), now = 0;
+    if (!want) return 0;
+    if (cu.ctx_get_current(&now) == 0 && now == want) return 1;
+    return cu.ctx_set_current(want) == 0;
+}
+
+static CUcontext current_context(void) {
+    CUcontext ctx = 0;
+    return cu.ctx_get_current(&ctx) == 0 ? ctx : 0;
+}
+
+static void set_context(CUcontext ctx) {
+    if (ctx) cu.ctx_set_current(ctx);
+}
+
+/* Finish the queued work of every device a mapped segment lives on; the caller's context is
+ * current again afterwards. 0 on failure. */
+static int synchronize_devices(void) {
+    CUcontext caller = 0;
+    cu.ctx_get_current(&caller);
+    int done[MAX_DEVICES] = {0}, ok = 1;
+    for (Segment *s = segments; s && ok; s = s->next) {
+        if (!s->mapped || s->device < 0 || s->device >= MAX_DEVICES || done[s->device]) continue;
+        done[s->device] = 1;
+        ok = use_device(s->device) && cu.synchronize() == 0;
+    }
+    if (caller) cu.ctx_set_current(caller);
+    return ok;
+}
+
 static CUmemAllocationProp prop_for(int device) {
     CUmemAllocationProp prop;
     memset(&prop, 0, sizeof prop);
@@ -151,16 +204,32 @@ static CUmemAllocationProp prop_for(int device) {
     return prop;
 }
 
-/* Back [ptr, ptr + size) with new physical memory of `device`, read-write. */
+/* Back [ptr, ptr + size) with new physical memory of `device`, read-write for it and for every
+ * other device that can reach it (peer access: a kernel that copies between cards, or a layer
+ * on one card reading a tensor on another, as PyTorch does once peers are enabled). */
 static int map_physical(Segment *s) {
     CUmemAllocationProp prop = prop_for(s->device);
-    CUmemAccessDesc access = {{1, s->device}, 3};
+    CUmemAccessDesc access[MAX_DEVICES];
+    size_t naccess = 0;
+    int count = 0;
+    access[naccess++] = (CUmemAccessDesc){{1, s->device}, 3};
+    if (cu.device_count(&count) != 0) count = 0;
+    CUdevice owner;
+    if (count > 1 && cu.device_get(&owner, s->device) == 0)
+        for (int d = 0; d < count && d < MAX_DEVICES; d++) {
+            CUdevice peer;
+            int can = 0;
+            if (d != s->device && cu.device_get(&peer, d) == 0 &&
+                cu.can_access_peer(&can, peer, owner) == 0 && can)
+                access[naccess++] = (CUmemAccessDesc){{1, d}, 3};
+        }
     CHECK(cu.create(&s->handle, s->size, &prop, 0));
     if (cu.map(s->ptr, s->size, 0, s->handle, 0) != 0) {
         cu.release(s->handle);
         goto fail;
     }
-    if (cu.set_access(s->ptr, s->size, &access, 1) != 0) {
+    if (cu.set_access(s->ptr, s->size, access, naccess) != 0 &&
+        (naccess == 1 || cu.set_access(s->ptr, s->size, access, 1) != 0)) { /* peers refused */
         cu.unmap(s->ptr, s->size);
         cu.release(s->handle);
         goto fail;
@@ -228,10 +297,12 @@ void ij_free(void *ptr, ssize_t size, int device, void *stream) {
 long long ij_sleep(void) {
     long long moved = 0;
     if (!load()) return -1;
+    CUcontext caller = current_context();
     pthread_mutex_lock(&lock);
-    if (cu.synchronize() != 0) goto fail_locked;
+    if (!synchronize_devices()) goto fail_locked;
     for (Segment *s = segments; s; s = s->next) {
         if (!s->mapped) continue;
+        if (!use_device(s->device)) goto fail_locked;
         if (!s->host && cu.alloc_host(&s->host, s->size) != 0) { s->host = NULL; goto fail_locked; }
         if (cu.dtoh(s->host, s->ptr, s->size) != 0) goto fail_locked;
         cu.unmap(s->ptr, s->size);
@@ -239,9 +310,11 @@ long long ij_sleep(void) {
         s->mapped = 0;
         moved += (long long)s->size;
     }
+    set_context(caller);
     pthread_mutex_unlock(&lock);
     return moved;
 fail_locked:
+    set_context(caller);
     pthread_mutex_unlock(&lock);
     return -1;
 }
@@ -250,10 +323,11 @@ fail_locked:
 long long ij_wake(void) {
     long long moved = 0;
     if (!load()) return -1;
+    CUcontext caller = current_context();
     pthread_mutex_lock(&lock);
     for (Segment *s = segments; s; s = s->next) {
         if (s->mapped || s->in_file) continue; /* (asleep in a file: ij_wake_from) */
-        if (!ensure_context(s->device) || !map_physical(s)) goto fail_locked;
+        if (!use_device(s->device) || !map_physical(s)) goto fail_locked;
         if (cu.htod(s->ptr, s->host, s->size) != 0) goto fail_locked;
         if (!keep_host) {
             cu.free_host(s->host);
@@ -261,9 +335,11 @@ long long ij_wake(void) {
         }
         moved += (long long)s->size;
     }
+    set_context(caller);
     pthread_mutex_unlock(&lock);
     return moved;
 fail_locked:
+    set_context(caller);
     pthread_mutex_unlock(&lock);
     return -1;
 }
@@ -382,8 +458,8 @@ static size_t place_segments(void) {
     return end;
 }
 
-/* The segments on the GPU as (address, size, file offset) triples, at most `max`; the count.
- * Gives offsets to the segments that had none (place_segments). */
+/* The segments on the GPU as (address, size, file offset, device) quadruples, at most `max`;
+ * the count. Gives offsets to the segments that had none (place_segments). */
 int ij_layout(unsigned long long *out, int max) {
     int k = 0;
     pthread_mutex_lock(&lock);
@@ -391,9 +467,10 @@ int ij_layout(unsigned long long *out, int max) {
     for (Segment *s = segments; s; s = s->next) {
         if (!s->mapped) continue;
         if (k < max) {
-            out[3 * k] = s->ptr;
-            out[3 * k + 1] = s->size;
-            out[3 * k + 2] = s->offset;
+            out[4 * k] = s->ptr;
+            out[4 * k + 1] = s->size;
+            out[4 * k + 2] = s->offset;
+            out[4 * k + 3] = (unsigned long long)s->device;
         }
         k++;
     }
@@ -430,6 +507,7 @@ typedef struct {
     char *host;
     CUdeviceptr dev;
     size_t len;
+    int device; /* the segment's: its context copies the piece */
     int ready;
     int pinned;
 } Piece;
@@ -445,6 +523,10 @@ typedef struct {
     pthread_cond_t c;
 } Plan;
 
+/* CU_MEMHOSTREGISTER_PORTABLE (1): pinned for every context, so each GPU's copies of a piece
+ * run at copy-engine speed; READ_ONLY (8) when the file is only read. */
+static unsigned int register_flags(int to_host) { return to_host ? 1u : 1u | 8u; }
+
 static void *fill_pieces(void *arg) {
     Plan *plan = arg;
     if (plan->ctx) cu.ctx_set_current(plan->ctx);
@@ -453,8 +535,7 @@ static void *fill_pieces(void *arg) {
         if (i >= plan->count || __atomic_load_n(&plan->stop, __ATOMIC_SEQ_CST)) return NULL;
         Span sp = {plan->piece[i].page, plan->piece[i].span, plan->to_host};
         populate_span(&sp);
-        /* CU_MEMHOSTREGISTER_READ_ONLY (8) when the file is only read */
-        plan->piece[i].pinned = cu.host_register(sp.base, sp.len, plan->to_host ? 0 : 8) == 0;
+        plan->piece[i].pinned = cu.host_register(sp.base, sp.len, register_flags(plan->to_host)) == 0;
         pthread_mutex_lock(&plan->m);
         plan->piece[i].ready = 1;
         pthread_cond_broadcast(&plan->c);
@@ -462,7 +543,8 @@ static void *fill_pieces(void *arg) {
     }
 }
 
-static int add_pieces(Piece **out, int *count, int *cap, char *host, CUdeviceptr dev, size_t len) {
+static int add_pieces(Piece **out, int *count, int *cap, char *host, CUdeviceptr dev, size_t len,
+                      int device) {
     while (len > 0) {
         size_t n = PIECE - (size_t)((uintptr_t)host % PIECE); /* up to the next PIECE boundary */
         if (n > len) n = len;
@@ -475,7 +557,7 @@ static int add_pieces(Piece **out, int *count, int *cap, char *host, CUdeviceptr
         }
         char *page = (char *)((uintptr_t)host & ~(uintptr_t)4095);
         (*out)[(*count)++] = (Piece){page, (size_t)(host + n - page + 4095) / 4096 * 4096, host,
-                                     dev, n, 0, 0};
+                                     dev, n, device, 0, 0};
         host += n;
         dev += n;
         len -= n;
@@ -500,7 +582,7 @@ static CUresult copy_pieces(char *base, int to_host, long long *moved) {
         }
         for (int i = 0; i < n; i++)
             if (!add_pieces(&piece, &count, &cap, base + s->offset + r[2 * i], s->ptr + r[2 * i],
-                            r[2 * i + 1])) {
+                            r[2 * i + 1], s->device)) {
                 free(piece);
                 return 2; /* CUDA_ERROR_OUT_OF_MEMORY */
             }
@@ -523,11 +605,12 @@ static CUresult copy_pieces(char *base, int to_host, long long *moved) {
             Span sp = {piece[i].page, piece[i].span, to_host};
             populate_span(&sp);
             piece[i].pinned =
-                cu.host_register(piece[i].page, piece[i].span, to_host ? 0 : 8) == 0;
+                cu.host_register(piece[i].page, piece[i].span, register_flags(to_host)) == 0;
         }
         double t2 = now_s();
-        res = to_host ? cu.dtoh(piece[i].host, piece[i].dev, piece[i].len)
-                      : cu.htod(piece[i].dev, piece[i].host, piece[i].len);
+        if (!use_device(piece[i].device)) res = 201; /* CUDA_ERROR_INVALID_CONTEXT */
+        else res = to_host ? cu.dtoh(piece[i].host, piece[i].dev, piece[i].len)
+                           : cu.htod(piece[i].dev, piece[i].host, piece[i].len);
         double t3 = now_s();
         if (piece[i].pinned) cu.host_unregister(piece[i].page);
         piece[i].pinned = 0;
@@ -538,6 +621,7 @@ static CUresult copy_pieces(char *base, int to_host, long long *moved) {
         if (res == 0) *moved += (long long)piece[i].len;
     }
     __atomic_store_n(&plan.stop, 1, __ATOMIC_SEQ_CST);
+    if (plan.ctx) cu.ctx_set_current(plan.ctx); /* the caller's context, as it was */
     for (int t = 0; t < started; t++) pthread_join(threads[t], NULL);
     for (int i = 0; i < count; i++) /* pinned ahead of a copy that failed */
         if (piece[i].pinned) cu.host_unregister(piece[i].page);
@@ -615,7 +699,7 @@ long long ij_sleep_into(int fd) {
     struct stat st;
     if (fstat(fd, &st) != 0 || ((size_t)st.st_size != end && ftruncate(fd, (off_t)end) != 0))
         goto fail_locked;
-    if (cu.synchronize() != 0) goto fail_locked;
+    if (!synchronize_devices()) goto fail_locked;
     punch_gaps(fd, end);
     for (Segment *s = segments; s; s = s->next)
         if (s->mapped) punch_dead(fd, s);
@@ -661,13 +745,16 @@ long long ij_wake_from(int fd) {
     if ((size_t)st.st_size < need) { pthread_mutex_unlock(&lock); return -2; }
     char *base = map_file(fd, need, 0);
     if (!base) goto fail_locked;
+    CUcontext caller = current_context();
     for (Segment *s = segments; s; s = s->next) {
         if (s->mapped || !s->in_file) continue;
-        if (!ensure_context(s->device) || !map_physical(s)) {
+        if (!use_device(s->device) || !map_physical(s)) {
+            set_context(caller);
             unmap_file(base, need);
             goto fail_locked;
         }
     }
+    set_context(caller);
     CUresult res = copy_pieces(base, 0, &moved);
     unmap_file(base, need);
     if (res != 0) { last_error = res; goto fail_locked; }

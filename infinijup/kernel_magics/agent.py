@@ -210,6 +210,17 @@ def _clean_sidecars(items: object) -> list[dict]:
     return out
 
 
+def refusal(info: object) -> tuple[str, str] | None:
+    """For the server: (why, reason) when the kernel's quiesce found state no snapshot can
+    carry and touched nothing (unsavable.py); None otherwise."""
+    if not isinstance(info, dict):
+        return None
+    why, reason = info.get("refused"), info.get("refused_reason")
+    if not isinstance(why, str) or not why:
+        return None
+    return why[:2000], reason if isinstance(reason, str) and reason.isidentifier() else "refused"
+
+
 def commit_metadata(info: object) -> dict:
     """For the server: the commit metadata from a kernel's description (``quiesce``'s answer or
     the body of ``%snapshot``'s request), checked field by field since a kernel sent it:

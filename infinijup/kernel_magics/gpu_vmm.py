@@ -73,11 +73,9 @@ def _queue(torch) -> None:  # noqa: ANN001
 
 def _install() -> None:
     try:
-        import torch
-
         from ..gpu import vmm
 
-        vmm.install(torch.cuda.current_device())
+        vmm.install()  # every device PyTorch sees: a model split over cards moves whole
         _state["installed"] = True
         vmm.set_on_short(_ask_for_room)
     except Exception as exc:
@@ -182,7 +180,8 @@ def _changed(vmm, before: dict | None) -> tuple[list | None, dict | None, float 
     from ..gpu import block_hash
 
     try:
-        block_hash.prepare()  # its multipliers are live memory: allocated before the ranges
+        # the multipliers (on each card with segments) are live memory: allocated first
+        block_hash.prepare(block_hash.devices_of(vmm.layout()))
         ranges = vmm.mark_live()
         t0 = time.perf_counter()
         copy, hashes = block_hash.changed(ranges, vmm.layout(), before)

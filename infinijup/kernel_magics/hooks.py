@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from . import engines, gpu_sync, gpu_vmm, sidecars
+from . import engines, gpu_sync, gpu_vmm, sidecars, unsavable
 
 QuiesceHook = Callable[[], object]
 ResumeHook = Callable[[bool], object]
@@ -50,6 +50,10 @@ def run_quiesce() -> dict:
     """Run every quiesce hook, then release the GPU libraries' unused caches (gpu_sync.py);
     return what they did and how long it took (``gpu_release`` only where one was made)."""
     t0 = time.perf_counter()
+    refused = unsavable.why()
+    if refused is not None:  # nothing is touched: the server says why, the kernel runs on
+        return {"hook_errors": [], "refused": refused, "refused_reason": unsavable.REASON,
+                "quiesce_s": time.perf_counter() - t0}
     # First the engines with loops of their own (engines.py): parked, they launch no more GPU
     # work and change no queue while the hooks below synchronize and the memory moves out.
     parked = engines.pause_all()

@@ -46,6 +46,8 @@ def take(shell, *, message: str = "", thread: str | None = None, wait: bool = Fa
             return None
     quiesced = hooks.run_quiesce()
     try:
+        if quiesced.get("refused"):  # nothing was touched (unsavable.py): say why, go on
+            raise ServerError(422, quiesced["refused"], quiesced.get("refused_reason", "refused"))
         request_id = uuid.uuid4().hex
         body = {
             "kernel_id": kernel_id(), "message": message, "from_kernel": True,

@@ -468,6 +468,9 @@ class SnapshotManager(LoggingConfigurable):
 
         info = await run_agent(self.kernel(kernel_id), agent.expression("release", deadline),
                                self.busy_timeout, late=undo)
+        refused = agent.refusal(info)
+        if refused is not None:  # the kernel touched nothing (kernel_magics/unsavable.py)
+            raise PreflightRefused(refused[0], reason=refused[1])
         return info.get("gpu_segments") or {}
 
     async def bring_back_gpu(self, kernel_id: str, token: str | None) -> dict:

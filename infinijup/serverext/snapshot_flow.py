@@ -27,7 +27,7 @@ from ..engine.lifecycle import HIBERNATED, RUNNING, SNAPSHOTTING, STORING, Opera
 from ..engine.naming import check_thread_name, notebook_key, notebook_threads, store_thread
 from ..engine.retarget import saved_connection
 from ..engine.steps import Steps
-from ..errors import Conflict, InfinijupError, SnapshotFailed
+from ..errors import Conflict, InfinijupError, PreflightRefused, SnapshotFailed
 from ..gpu import arena as gpu_arena
 from ..kernel_magics import agent
 
@@ -118,6 +118,9 @@ class SnapshotRun:
                 info = await step("quiesce", self.quiesce(), undo=self.kernel_goes_on)
                 self.execution_count, self.described = info.get("execution_count"), info
             t_quiesce = time.perf_counter() - self.t0
+            refused = agent.refusal(self.described)
+            if refused is not None:  # the kernel touched nothing: it runs on as it was
+                raise PreflightRefused(refused[0], reason=refused[1])
             self.described = agent.commit_metadata(self.described)
             token = self.described.get("gpu_segments", {}).get("token")
             gpu = GpuGo(token)
