@@ -14,11 +14,23 @@ snapshot is a restore like any other: the next snapshot starts a new thread (a b
 path undone stays in the history.
 
 An undo or redo asked for by the kernel itself (``%undo``) runs once the asking cell is done.
+
+Redo lists outlive the server: each is kept in a record beside the store
+(``<store>-redo/<kernel id>.json``: the notebook's path and the commits), written at each undo
+and redo. A kernel with no list of its own (the first kernel of a notebook in a new server, or
+one standing in for a hibernated kernel) takes over the newest record of its notebook whose
+kernel is not running here, so undo, server restart, redo works. Retention (retention.py)
+spares every commit a record names. A record goes when its list is used up; closing a notebook
+keeps it (its commits stay spared until the notebook's next kernel redoes them or undoes anew).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import time
+from pathlib import Path
 
 from ..errors import Conflict, InfinijupError
 from ..store.thinned import thinned
@@ -26,9 +38,12 @@ from . import snapshot_flow
 
 
 class UndoRedo:
-    def __init__(self, manager) -> None:  # noqa: ANN001 - SnapshotManager
-        self.m = manager
+    def __init__(self, manager, records: Path | None = None) -> None:  # noqa: ANN001
+        self.m = manager  # the SnapshotManager
+        store = Path(manager.store_path)
+        self.records = records or store.with_name(store.name + "-redo")
         self.redo_lists: dict[str, list[str]] = {}  # kernel id -> commits to go back to
+        self.paths: dict[str, str] = {}  # kernel id -> its notebook (as its record says)
 
     async def undo(self, kernel_id: str, from_kernel: bool = False) -> dict:
         return await self._run(kernel_id, "undo", from_kernel)
@@ -38,6 +53,72 @@ class UndoRedo:
 
     def forget(self, kernel_id: str) -> None:
         self.redo_lists.pop(kernel_id, None)
+        self.paths.pop(kernel_id, None)
+        self._remove_record(kernel_id)
+
+    def protected(self) -> set[str]:
+        """Every commit a redo would go back to: this server's lists and every record."""
+        out = {c for commits in self.redo_lists.values() for c in commits}
+        for record in self._records():
+            out.update(record["commits"])
+        return out
+
+    # --- records -----------------------------------------------------------------------------
+    async def _load(self, kernel_id: str) -> list[str]:
+        """The kernel's redo list: its own, or taken over from its notebook's record."""
+        if kernel_id in self.redo_lists:
+            return self.redo_lists[kernel_id]
+        path = await self.m.notebook_path(kernel_id)
+        running = set(self.m.kernel_ids()) - {kernel_id}
+        found = [r for r in self._records() if r.get("path") == path
+                 and r.get("kernel_id") not in running]
+        commits: list[str] = []
+        if found:
+            record = max(found, key=lambda r: r.get("updated") or 0)
+            commits = list(record["commits"])
+            self.m.log.info("infinijup: kernel %s takes over the redo list of %s (%d)",
+                            kernel_id, record.get("kernel_id"), len(commits))
+        self.redo_lists[kernel_id], self.paths[kernel_id] = commits, path
+        if found:
+            self._save(kernel_id)
+            if record.get("kernel_id") != kernel_id:
+                self._remove_record(str(record.get("kernel_id")))
+        return commits
+
+    def _save(self, kernel_id: str) -> None:
+        commits = self.redo_lists.get(kernel_id)
+        if not commits:
+            self._remove_record(kernel_id)
+            return
+        self.records.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path = self._record_path(kernel_id)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps({"kernel_id": kernel_id, "path": self.paths.get(kernel_id),
+                                   "commits": commits, "updated": time.time()}))
+        os.replace(tmp, path)
+
+    def _record_path(self, kernel_id: str) -> Path:
+        if not kernel_id or "/" in kernel_id or kernel_id.startswith("."):
+            raise Conflict(f"no redo record for kernel {kernel_id!r}", reason="unknown_kernel")
+        return self.records / f"{kernel_id}.json"
+
+    def _remove_record(self, kernel_id: str) -> None:
+        try:
+            self._record_path(kernel_id).unlink()
+        except (FileNotFoundError, Conflict):
+            pass
+
+    def _records(self) -> list[dict]:
+        out = []
+        for path in sorted(self.records.glob("*.json")):
+            try:
+                record = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(record, dict) and isinstance(record.get("commits"), list) and \
+                    all(isinstance(c, str) for c in record["commits"]):
+                out.append(record)
+        return out
 
     async def _run(self, kernel_id: str, what: str, from_kernel: bool) -> dict:
         m = self.m
@@ -46,7 +127,7 @@ class UndoRedo:
         if what == "undo" and m.heads.get(kernel_id).commit is None:
             raise Conflict("nothing to undo: this kernel stands on no snapshot (take one, or "
                            "turn automatic snapshots on)", reason="nothing_to_undo")
-        if what == "redo" and not self.redo_lists.get(kernel_id):
+        if what == "redo" and not await self._load(kernel_id):
             raise Conflict("nothing to redo", reason="nothing_to_redo")
         if not from_kernel:
             return await self._now(kernel_id, what)
@@ -70,8 +151,11 @@ class UndoRedo:
                                              skip_unchanged=True, auto=True)
         here = saved["commit"]  # the state being left: HEAD, or the snapshot just taken
         repo = m.repo()
+        redo = await self._load(kernel_id)
         if what == "redo":
-            target = self.redo_lists[kernel_id].pop()
+            if not redo:
+                raise Conflict("nothing to redo", reason="nothing_to_redo")
+            target = redo[-1]
         else:
             # unchanged: HEAD's parent; changed: the snapshot just taken stands on HEAD, and
             # the cells since HEAD (too quick to snapshot) all go
@@ -85,7 +169,10 @@ class UndoRedo:
             target = parents[0]
         result = await m.restore_keeping_settings(kernel_id, target, quiet=True)
         if what == "undo":
-            self.redo_lists.setdefault(kernel_id, []).append(here)
+            redo.append(here)
+        elif redo and redo[-1] == target:  # taken off only once the restore is done
+            redo.pop()
+        self._save(kernel_id)
         says = describe_move(what, _cell(repo, here), _cell(repo, target))
         return {**result, "from": here, "saved": not saved.get("unchanged"), "says": says}
 
