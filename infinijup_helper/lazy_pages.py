@@ -9,10 +9,22 @@ The danger is the daemon ending early. A fault on a registered range waits for t
 but once the last descriptor of a userfaultfd is closed the kernel forgets the registration
 and a fault gets a fresh zero page: the kernel would go on with wrong memory and no error.
 So the helper keeps its own reference to every userfaultfd the daemon holds (``pidfd_getfd``;
-taken before the tree resumes, renewed every ``WATCH_S`` for processes the kernel forks). A
-fault without a daemon then waits, killably, and the watcher, which sees the daemon end early,
-kills the tree and records why; only then are the references dropped. A process forked less
-than ``WATCH_S`` before the daemon dies is the one gap (its descriptor not yet taken).
+all of them taken before the tree resumes, then renewed every ``WATCH_S`` for the processes
+the kernel forks). A fault without a daemon then waits, killably, and the watcher, which sees
+the daemon end (its pidfd), kills the tree and records why; only then are the references
+dropped.
+
+A renewal drops the references to userfaultfds the daemon no longer shows only when the scan
+was of a live daemon (not exiting: ``PF_EXITING`` is set before an exiting process's
+descriptors are closed): the daemon let go of those itself (that process's memory is all
+back, or it exited). A renewal that runs late, or after the daemon died, keeps everything,
+so no timing lets a fault be zero-filled for a process whose descriptor was taken. The one
+gap left: a process forked after the last renewal, whose new userfaultfd only the daemon
+holds; if the daemon dies before the next renewal (``WATCH_S``; later on a busy machine), that
+process's untouched pages read as zeros until the watcher has killed the tree.
+
+Hold points (holds.py) for the tests: ``lazy_pages_renew`` (the watcher about to scan the
+daemon's descriptors) and ``lazy_pages_ended`` (the daemon gone, the tree not yet killed).
 
 The page files stay in the staging dir until the daemon is done (``keep``): a linked page
 file is the caller's own inode, and a caller who truncates it only breaks their own kernel
@@ -25,6 +37,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import select
 import subprocess
 import threading
 import time
@@ -32,6 +45,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .criu import CriuFailed, log_tail, tree_tasks
+from .holds import hold
 from .protocol import RequestError
 
 log = logging.getLogger(__name__)
@@ -42,6 +56,7 @@ START_S = 30.0  # hang guards: the daemon's socket appears in milliseconds
 RECEIVE_S = 60.0
 WATCH_S = 0.05
 UFFD_LINK = "anon_inode:[userfaultfd]"
+PF_EXITING = 0x4  # include/linux/sched.h: set before an exiting task's descriptors close
 _SYS_PIDFD_GETFD = 438
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -110,17 +125,35 @@ class PageStream:
                 continue
         return found
 
-    def _renew(self) -> int:
+    def _live(self) -> bool:
+        """The daemon is running, not exiting (its descriptors are its own choice)."""
+        try:
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return False
+        if fields[0] in ("Z", "X", "x") or int(fields[6]) & PF_EXITING:
+            return False
+        return not select.select([self.pidfd], [], [], 0)[0]  # the pid not reused
+
+    def _renew(self, watching: bool = False) -> int:
         """Take a reference to every userfaultfd the daemon holds now, then drop the old
-        ones (never a moment without); how many are held."""
+        ones only if the daemon was live through the scan (see the module docs); how many
+        the scan found."""
+        if watching:
+            hold("lazy_pages_renew", daemon_pid=self.proc.pid)
         new = []
         for fd in self._uffds():
             try:
                 new.append(_pidfd_getfd(self.pidfd, fd))
             except OSError:
                 continue  # closed meanwhile (its process is fully resident, or gone)
+        live = self._live()  # after the scan: a daemon exiting during it is caught here
         with self._lock:
-            old, self._held = self._held, new
+            if live:
+                old, self._held = self._held, new
+            else:
+                old, self._held = [], self._held + new
         for fd in old:
             os.close(fd)
         return len(new)
@@ -146,11 +179,11 @@ class PageStream:
         """Follow the daemon in a thread until it exits (see the module docs)."""
 
         def run() -> None:
-            while self.proc.poll() is None:
-                try:
-                    self.proc.wait(timeout=WATCH_S)
-                except subprocess.TimeoutExpired:
-                    self._renew()
+            ended = select.poll()
+            ended.register(self.pidfd, select.POLLIN)  # readable once the daemon exited
+            while not ended.poll(WATCH_S * 1000):
+                self._renew(watching=True)
+            self.proc.wait()
             if self.proc.returncode == 0:
                 self.state = "resident"
             else:
@@ -158,6 +191,7 @@ class PageStream:
                               "the kernel's memory was back; the kernel was ended\n"
                               + log_tail(self.staging_fd, LOG))
                 self.state = "failed"
+                hold("lazy_pages_ended", daemon_pid=self.proc.pid)
                 try:
                     kill_tree()  # before the references go: its faults wait until then
                 except Exception:  # noqa: BLE001 - the tree may be gone already
