@@ -300,7 +300,21 @@ class SnapshotManager(LoggingConfigurable):
                 "last_operation": self.lifecycle.last(kernel_id),
                 "head": {"thread": head.thread, "commit": head.commit},
                 "remote": self.remote_tier.status(head.commit),
-                "gpu": await gpu_status.gpu_view(self, kernel_id)}
+                "gpu": await gpu_status.gpu_view(self, kernel_id),
+                "pages": await self._pages(km) if managed and self.lazy_restore else None}
+
+    async def _pages(self, km) -> dict | None:  # noqa: ANN001 - a KernelManager
+        """A lazily restored kernel's memory (issue 32): ``{state: streaming | resident |
+        failed, resident_s, error}`` as the helper follows it; None: restored whole, or not
+        restored, or no process now (hibernated)."""
+        root = km.provisioner.root_pid
+        if not root:
+            return None
+        try:
+            st = await asyncio.to_thread(HelperClient(config.helper_socket()).status, root)
+        except InfinijupError:
+            return None
+        return st.pages
 
     def kernel_message_key(self, kernel_id: str) -> bytes | None:
         """The message key of a running Infinijup kernel of this server (None otherwise): what

@@ -5,6 +5,10 @@ store, and in a snapshot taken straight after."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import time
+
 import pytest
 from kernelkit import needs_helper
 
@@ -39,3 +43,38 @@ async def test_lazy_restores_from_hot_tier_and_store_keep_every_byte(notebook, j
     assert r["phases"]["pages"]["state"] in ("streaming", "resident"), r
     assert await nb.value(DIGEST) == digest
     assert await nb.value("x") == "snapshotted"
+
+
+async def _status(nb) -> dict:
+    r = await nb.fetch("infinijup", "status", params={"kernel_id": nb.kernel_id})
+    return json.loads(r.body)
+
+
+@needs_helper
+@pytest.mark.timeout(300)
+async def test_a_lazy_wake_keeps_every_byte_and_the_status_follows_the_pages(notebook,
+                                                                            jp_serverapp):
+    """Hibernation (serverext/hibernation.py) wakes through the same restore: with
+    lazy_restore on, the cell that wakes the kernel runs while its memory streams in; the
+    server's status shows the stream until it is resident."""
+    nb = notebook
+    jp_serverapp.web_app.settings["infinijup_manager"].lazy_restore = True
+    await nb.execute("import os; blob = os.urandom(192 << 20)")
+    digest = await nb.value(DIGEST)
+    r = await nb.post("hibernate", {"kernel_id": nb.kernel_id})
+    assert r.code == 200, r.body
+    slept = await _status(nb)
+    assert slept["state"] == "hibernated" and slept["pages"] is None  # no process to follow
+
+    assert await nb.value(DIGEST) == digest  # the cell that wakes it reads every byte
+    woke = await _status(nb)
+    assert woke["state"] == "running"
+    # restored lazily (the helper follows pages only for a lazily restored tree)
+    assert woke["pages"] is not None and woke["pages"]["state"] in ("streaming", "resident")
+    deadline = time.monotonic() + 120  # hang guard only
+    while (now := await _status(nb))["pages"]["state"] == "streaming":
+        assert time.monotonic() < deadline, now
+        await asyncio.sleep(0.1)
+    assert now["pages"]["state"] == "resident" and now["pages"]["error"] is None, now
+    assert now["pages"]["resident_s"] > 0
+    assert await nb.value(DIGEST) == digest
