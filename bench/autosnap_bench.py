@@ -21,6 +21,15 @@ something (``%autosnapshot on after=0.0001``) and the window set by ``--keep`` a
 the budget (what each added to the store), the first snapshot's bytes (a whole image: the base
 the window stands on, not counted in it) and the store's size on disk once the last thinning
 pass is done.
+
+``--passes N`` measures instead the retention pass that follows each automatic snapshot, on a
+store of the bench's own (no kernel: real commits, ``--commits`` of them, one in ten the user's,
+automatic ones of 64 KiB each over a shared 1 MiB, all but the window thinned as a long session
+leaves them). N cells each store one more automatic snapshot, then a pass runs, on two copies of
+that store, cell by cell in turn: *before* (every commit read to find the automatic ones, the
+window thinned to its limit at each pass, so a gc per cell once full) and *after* (the index's
+metadata, each commit read once, thinning in batches: serverext/retention.py). Printed: the
+median and slowest pass, all passes' time, the passes that ran gc.
 """
 
 from __future__ import annotations
@@ -226,6 +235,101 @@ async def session(args, base: Path, helper) -> None:  # noqa: ANN001 - HelperDae
     print(markdown_table([row], [(k, k) for k in row]))
 
 
+def build_long_store(path: Path, commits: int, keep: int):  # noqa: ANN201 - a Blob
+    """A store as a long session leaves it: ``commits`` snapshots on one thread, one in ten
+    the user's, the automatic ones past the window of ``keep`` thinned and collected."""
+    import os
+
+    from infinijup.store import Repository
+    from infinijup.store.gc import gc
+    from infinijup.store.thinned import mark_thinned
+
+    repo = Repository.init(path)
+    with repo.writer() as w:
+        base = w.add_bytes(os.urandom(1 << 20))
+    autos: list[str] = []
+    for i in range(commits):
+        auto_snapshot(repo, base, i, auto=i % 10 != 0, into=autos)
+    mark_thinned(repo, autos[:-keep])
+    gc(repo)
+    repo.close()
+    return base
+
+
+def auto_snapshot(repo, base, i: int, auto: bool = True, into: list | None = None) -> str:  # noqa: ANN001
+    import os
+
+    meta = {"cell": {"execution_count": i, "source": f"x = {i}"}, **({"auto": True} if auto
+                                                                      else {})}
+    with repo.writer() as w:
+        c = w.commit({"heap.img": base, "cell.img": w.add_bytes(os.urandom(64 << 10))},
+                     thread="main", message="" if auto else f"mine {i}", metadata=meta)
+    if auto and into is not None:
+        into.append(c.id)
+    return c.id
+
+
+def pass_before(repo, window) -> tuple[list[str], bool]:  # noqa: ANN001
+    """The pass of 7d297d1: every commit read, thinned to the limit each time."""
+    from infinijup.engine.retention import Auto, to_thin
+    from infinijup.store.gc import gc
+    from infinijup.store.thinned import mark_thinned, thinned
+
+    gone = thinned(repo)
+    autos = []
+    for cid in repo.index.commit_ids():
+        if cid in gone:
+            continue
+        c = repo.get_commit(cid)
+        if (c.metadata or {}).get("auto"):
+            autos.append(Auto(cid, c.created, int((c.stats or {}).get("stored_bytes") or 0)))
+    ids = to_thin(autos, time.time(), window, set(repo.threads().values()))
+    if ids:
+        mark_thinned(repo, ids)
+        gc(repo)
+    return ids, bool(ids)
+
+
+def passes(args) -> None:
+    import dataclasses
+    import shutil
+    import tempfile
+
+    from infinijup.engine.retention import Window
+    from infinijup.serverext.retention import Automatic, thin_pass
+    from infinijup.store import Repository
+
+    window = Window(keep_all_s=10**9, max_count=args.keep)
+    with tempfile.TemporaryDirectory(prefix="retention-bench-") as tmp:
+        t0 = time.perf_counter()
+        base = build_long_store(Path(tmp) / "before", args.commits, args.keep)
+        print(f"store of {args.commits} commits built in {time.perf_counter() - t0:.0f} s",
+              flush=True)
+        shutil.copytree(Path(tmp) / "before", Path(tmp) / "after")
+        repos = {name: Repository.open(Path(tmp) / name) for name in ("before", "after")}
+        times: dict[str, list[float]] = {"before": [], "after": []}
+        gcs = {"before": 0, "after": 0}
+        found = Automatic()
+        for i in range(args.passes):
+            for name in ("before", "after"):
+                repo = repos[name]
+                auto_snapshot(repo, base, args.commits + i)
+                t0 = time.perf_counter()
+                if name == "before":
+                    _, ran = pass_before(repo, dataclasses.replace(window, slack=0))
+                else:
+                    ids, _ = thin_pass(repo, window, set(), found, time.time())
+                    ran = bool(ids)
+                times[name].append(time.perf_counter() - t0)
+                gcs[name] += ran
+        rows = [{"pass": name, "median": f"{statistics.median(t) * 1000:.0f} ms",
+                 "slowest": f"{max(t) * 1000:.0f} ms", "all": f"{sum(t):.1f} s",
+                 "gc": f"{gcs[name]} of {len(t)}"} for name, t in times.items()]
+    print(markdown_table(rows, [("pass", f"pass ({args.commits} commits, window {args.keep})"),
+                                ("median", "median pass"), ("slowest", "slowest"),
+                                ("all", f"{args.passes} passes"), ("gc", "passes with gc")]))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mib", type=int, nargs="*", default=[100, 1024])
@@ -235,7 +339,13 @@ def main() -> None:
                    help="run a session of this many quick cells instead (the disk aim)")
     p.add_argument("--keep", type=int, default=100, help="with --session: snapshots kept")
     p.add_argument("--keep-mib", type=int, default=64, help="with --session: their bytes")
+    p.add_argument("--passes", type=int, default=0,
+                   help="measure this many retention passes instead (no kernel)")
+    p.add_argument("--commits", type=int, default=3000, help="with --passes: the store's")
     args = p.parse_args()
+    if args.passes:
+        passes(args)
+        return
     asyncio.run(session_main(args) if args.session else main_async(args))
 
 

@@ -16,8 +16,8 @@ import time
 
 from ..engine.retention import Auto, Window, to_thin
 from ..errors import InfinijupError
-from ..store.gc import gc
-from ..store.thinned import mark_thinned, thinned
+from ..store.gc import GcReport, gc
+from ..store.thinned import RECORD, mark_thinned, thinned
 from . import space
 
 
@@ -27,7 +27,7 @@ class Retention:
         self._running = False
         self._again = False
         self.last: dict = {}  # what the last pass did (thinned, freed_bytes)
-        self.autos: dict[str, Auto] = {}  # commit id -> what a pass needs of it (read once)
+        self.found = Automatic()  # the automatic snapshots, found cheaply
 
     def window(self) -> Window:
         m = self.m
@@ -62,14 +62,10 @@ class Retention:
 
         def run() -> dict:
             repo = m.repo()
-            ids = to_thin(automatic(repo, self.autos), time.time() if now is None else now,
-                          window, protected | set(repo.threads().values()))
+            ids, report = thin_pass(repo, window, protected, self.found,
+                                    time.time() if now is None else now)
             if not ids:
                 return {"thinned": [], "freed_bytes": 0}
-            mark_thinned(repo, ids)
-            for cid in ids:
-                self.autos.pop(cid, None)
-            report = gc(repo, keep=protected)
             dropped = space.prune_hot(m, protected, drop=set(ids))
             m.log.info("infinijup: thinned %d automatic snapshots (%d bytes freed in the "
                        "store, %d hot copies dropped)", len(ids), report.bytes_freed,
@@ -81,19 +77,49 @@ class Retention:
         return self.last
 
 
-def automatic(repo, known: dict[str, Auto]) -> list[Auto]:  # noqa: ANN001 - Repository
-    """The store's automatic snapshots not thinned. Found in the index's metadata; a commit
-    not in ``known`` is read once and added (commits never change); ``known`` keeps only
-    those returned."""
-    gone = thinned(repo)
-    out = []
-    ids = [c for c in repo.index.find_commits({"auto": True}) if c not in gone]
-    for cid in ids:
-        a = known.get(cid)
-        if a is None:
-            c = repo.get_commit(cid)
-            a = known[cid] = Auto(cid, c.created, int((c.stats or {}).get("stored_bytes") or 0))
-        out.append(a)
-    for cid in set(known) - set(ids):
-        del known[cid]
-    return out
+def thin_pass(repo, window: Window, protected: set[str], found: Automatic,  # noqa: ANN001
+              now: float) -> tuple[list[str], GcReport | None]:
+    """One pass on the store (a worker thread's): thin what the window says (``protected``
+    and every thread's tip spared), then gc keeping ``protected``. (ids thinned, gc's report:
+    None when nothing was thinned.)"""
+    ids = to_thin(found(repo), now, window, protected | set(repo.threads().values()))
+    if not ids:
+        return [], None
+    mark_thinned(repo, ids)
+    return ids, gc(repo, keep=protected)
+
+
+class Automatic:
+    """The store's automatic snapshots not thinned, pass after pass, without reading the whole
+    store: their ids from the index's metadata (``find_commits``), each commit read once (commits
+    never change), the record of thinned commits read again only when its file changed (it is
+    replaced whole at each change: a new inode)."""
+
+    def __init__(self) -> None:
+        self.known: dict[str, Auto] = {}
+        self._gone: tuple[tuple[int, int, int] | None, set[str]] = (None, set())
+
+    def __call__(self, repo) -> list[Auto]:  # noqa: ANN001 - Repository
+        gone = self.thinned(repo)
+        ids = [c for c in repo.index.find_commits({"auto": True}) if c not in gone]
+        out = []
+        for cid in ids:
+            a = self.known.get(cid)
+            if a is None:
+                c = repo.get_commit(cid)
+                a = self.known[cid] = Auto(cid, c.created,
+                                           int((c.stats or {}).get("stored_bytes") or 0))
+            out.append(a)
+        for cid in set(self.known) - set(ids):
+            del self.known[cid]
+        return out
+
+    def thinned(self, repo) -> set[str]:  # noqa: ANN001 - Repository
+        try:
+            st = (repo.path / RECORD).stat()
+            key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except FileNotFoundError:
+            key = None
+        if key is None or key != self._gone[0]:
+            self._gone = (key, set(thinned(repo)))
+        return self._gone[1]

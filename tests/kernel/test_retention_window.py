@@ -41,14 +41,14 @@ async def settled(m, kernel_id: str, autos_before: int) -> None:  # noqa: ANN001
 
 async def cells(nb, m, codes: list[str]) -> list[dict]:  # noqa: ANN001
     """Run each cell; after each, the window's state (not thinned: count, bytes)."""
-    from infinijup.serverext.retention import automatic
+    from infinijup.serverext.retention import Automatic
 
     seen = []
     for code in codes:
         before = len(m.repo().index.find_commits({"auto": True}))
         await nb.execute(code)
         await settled(m, nb.kernel_id, before)
-        live = automatic(m.repo(), {})
+        live = Automatic()(m.repo())
         seen.append({"count": len(live), "bytes": sum(a.stored_bytes for a in live),
                      "thinned": list(m.retention.last.get("thinned") or [])})
     return seen
@@ -67,8 +67,8 @@ async def test_the_count_window_thins_in_a_batch_below_its_limit(notebook, jp_se
     assert counts[20] == 18 and len(seen[20]["thinned"]) == 3, seen[20]  # one pass, three
     assert counts[21:] == [19, 20, 18], counts
     from infinijup.engine.retention import over_limits
-    from infinijup.serverext.retention import automatic
-    assert not over_limits(automatic(m.repo(), {}), m.retention.window())
+    from infinijup.serverext.retention import Automatic
+    assert not over_limits(Automatic()(m.repo()), m.retention.window())
 
 
 async def test_the_bytes_window_stays_within_its_budget(notebook, jp_serverapp):
@@ -87,3 +87,28 @@ async def test_the_bytes_window_stays_within_its_budget(notebook, jp_serverapp):
     assert min(s["count"] for s in seen[6:]) >= 2, seen  # thinned to below it, not emptied
     assert await nb.value("float(a[0])") == float(
         __import__("numpy").random.default_rng(11).random(131072)[0])
+
+
+def test_the_automatic_snapshots_found_pass_after_pass(tmp_path):
+    """What a pass reads (serverext/retention.Automatic) on a real store: only automatic
+    commits, each read once, and a thinning by anyone (another server on the store) seen."""
+    from infinijup.serverext.retention import Automatic
+    from infinijup.store import Repository
+    from infinijup.store.thinned import mark_thinned
+
+    repo = Repository.init(tmp_path / "store")
+    ids = [repo.commit_tree({}, thread="main", metadata={"auto": True} if i % 3 else {}).id
+           for i in range(7)]
+    autos = [c for i, c in enumerate(ids) if i % 3]
+    found = Automatic()
+    assert sorted(a.id for a in found(repo)) == sorted(autos)
+    reads = []
+    get_commit = repo.get_commit
+    repo.get_commit = lambda ref: reads.append(ref) or get_commit(ref)
+    new = repo.commit_tree({}, thread="main", metadata={"auto": True}).id
+    assert sorted(a.id for a in found(repo)) == sorted([*autos, new])
+    assert reads == [new]  # the others were read once, before
+    other = Repository.open(tmp_path / "store")
+    mark_thinned(other, autos[:2])
+    assert sorted(a.id for a in found(repo)) == sorted([*autos[2:], new])
+    assert set(found.known) == {*autos[2:], new}
