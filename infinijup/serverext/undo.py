@@ -153,8 +153,15 @@ class UndoRedo:
         repo = m.repo()
         redo = await self._load(kernel_id)
         if what == "redo":
+            gone = thinned(repo)
+            while redo and (redo[-1] in gone or not repo.index.has_commit(redo[-1])):
+                # deleted from the panel since (or thinned by a server that had no record)
+                m.log.warning("infinijup: redo of %s skips %s: no longer in the store",
+                              kernel_id, redo.pop()[:12])
+                self._save(kernel_id)
             if not redo:
-                raise Conflict("nothing to redo", reason="nothing_to_redo")
+                raise Conflict("nothing to redo: the states undone are no longer in the "
+                               "store", reason="nothing_to_redo")
             target = redo[-1]
         else:
             # unchanged: HEAD's parent; changed: the snapshot just taken stands on HEAD, and

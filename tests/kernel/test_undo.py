@@ -181,3 +181,23 @@ async def test_automatic_snapshots_and_undo_steps_are_quiet_events(notebook, jp_
     restores = [e for e in done if e["op"] == "restore"]
     assert [e["commit"] for e in restores] == [moved["commit"]]
     assert restores[0].get("quiet") is True
+
+
+async def test_redo_skips_a_state_deleted_since(notebook):
+    """The state an undo left is deleted from the panel: redo says there is nothing to redo
+    (after saving the kernel as it is), and the kernel stays where it was."""
+    nb = notebook
+    await nb.execute("import time")
+    await nb.execute(SLOW + "x = 1")
+    await nb.execute(SLOW + "x = 2")
+    r = await nb.post("undo", {"kernel_id": nb.kernel_id})
+    assert r.code == 200, r.body
+    left = json.loads(r.body)["from"]
+    assert await nb.value("x") == 1
+    r = await nb.post("delete", {"kernel_id": nb.kernel_id, "commit": left})
+    assert r.code == 200, r.body
+    r = await nb.post("redo", {"kernel_id": nb.kernel_id})
+    assert r.code == 409 and json.loads(r.body)["reason"] == "nothing_to_redo", r.body
+    assert await nb.value("x") == 1
+    r = await nb.post("redo", {"kernel_id": nb.kernel_id})  # the list is empty now
+    assert r.code == 409 and json.loads(r.body)["reason"] == "nothing_to_redo", r.body
