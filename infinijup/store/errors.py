@@ -107,6 +107,14 @@ class IndexCorrupt(StoreError):
     reason = "index_corrupt"
 
 
+class StoreWrongKey(StoreError, PermissionDenied):
+    """An encrypted local store's keys do not open with what was given: a wrong password or
+    key file, a removed key slot, or no key at all."""
+
+    reason = "store_wrong_key"
+    http_status = 403
+
+
 class RemoteError(StoreError):
     """A push, pull or clone to or from a remote (S3) store failed; the message says why."""
 

@@ -1,0 +1,221 @@
+"""The parts of the encrypted local store built so far (local_crypto.py): key slots in the
+store's directory, keyed ids, objects and pack headers sealed one by one.
+
+Real files and a real store: the objects sealed are those a plain store wrote for an image
+holding a planted secret, and the same scan that finds the secret, its BLAKE3 and the plain
+ids in the plain store's packs (the control) finds nothing in the sealed copies.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import blake3
+import pytest
+from conftest import random_bytes
+
+from infinijup.store import Repository
+from infinijup.store.errors import CorruptObject, RemoteKeyError, StoreWrongKey
+from infinijup.store.keys import Credentials, KdfParams
+from infinijup.store.layout import pack_files, read_packs
+from infinijup.store.local_crypto import (
+    ENCRYPTION_FILE,
+    OVERHEAD,
+    add_key,
+    change_password,
+    init_keys,
+    is_encrypted,
+    list_keys,
+    open_keys,
+    remove_key,
+)
+from infinijup.store.packs import DELTA, decode_payload, read_pack_header
+
+SECRET = "sk-live-PLANTED-local-4b1d9e3a7c5f2e80"
+FAST = KdfParams(time_cost=1, memory_kib=1024, parallelism=1)  # tests only
+
+
+def _password(path: Path, text: str) -> Credentials:
+    path.write_text(text + "\n")
+    path.chmod(0o600)
+    return Credentials.build(password_file=path)
+
+
+def _image(root: Path) -> Path:
+    root.mkdir(parents=True)
+    data = bytearray(random_bytes(3 << 20, 7))
+    for at in (100_000, 2 << 20):
+        data[at:at + len(SECRET)] = SECRET.encode()
+    (root / "pages.img").write_bytes(bytes(data))
+    (root / "open-file").write_text(SECRET)
+    return root
+
+
+def _objects(repo: Repository) -> list[tuple[int, int, bytes, int, bytes]]:
+    """Every object the store wrote: (type, compression, plain id, raw length, payload)."""
+    out = []
+    for name, path in pack_files(repo).items():
+        _header, entries = read_pack_header(path)
+        data = path.read_bytes()
+        for e in entries:
+            out.append((e.type, e.compression, e.id, e.raw_length,
+                        data[e.offset:e.offset + e.length]))
+        assert name
+    return out
+
+
+def _needles(image: Path, objects: list[tuple[int, int, bytes, int, bytes]]
+             ) -> dict[str, bytes]:
+    raw = {"blake3(secret)": blake3.blake3(SECRET.encode()).digest()}
+    for p in image.iterdir():
+        raw[f"blake3({p.name})"] = blake3.blake3(p.read_bytes()).digest()
+    for _t, _c, oid, _n, _p in objects:
+        raw[f"id {oid.hex()[:12]}"] = oid
+    out = {"secret": SECRET.encode()}
+    for what, value in raw.items():
+        out[what], out[what + " hex"] = value, value.hex().encode()
+    return out
+
+
+def _scan(root: Path, needles: dict[str, bytes]) -> set[str]:
+    """What of ``needles`` any file under ``root`` (content or name) holds."""
+    found = set()
+    for p in root.rglob("*"):
+        body = p.read_bytes() if p.is_file() else b""
+        found |= {w for w, n in needles.items() if n in body or n in p.name.encode()}
+    return found
+
+
+def test_keys_open_with_their_slots_and_refuse_others(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    pw = _password(tmp_path / "pw", "correct horse")
+    made = init_keys(store, pw, label="laptop", kdf=FAST)
+    assert is_encrypted(store) and (store / ENCRYPTION_FILE).is_file()
+    assert (store / "keys" / made.slot).stat().st_mode & 0o077 == 0
+    again = open_keys(store, pw)  # what another process does at open: the same keys
+    assert again.key.object_id(b"x") == made.key.object_id(b"x")
+
+    with pytest.raises(StoreWrongKey, match="no key slot"):
+        open_keys(store, _password(tmp_path / "wrong", "wrong horse"))
+    with pytest.raises(StoreWrongKey, match="give its password"):
+        open_keys(store, Credentials())
+    with pytest.raises(StoreWrongKey, match="not an encrypted store"):
+        open_keys(tmp_path / "plain", pw)
+
+    key_file = tmp_path / "store.key"
+    slot2 = add_key(store, again, Credentials.build(key_file=key_file), kdf=FAST)
+    assert key_file.is_file()
+    assert [s.type for s in list_keys(store)] == ["password", "key-file"]
+    by_file = open_keys(store, Credentials.build(key_file=key_file))
+    assert by_file.slot == slot2 and by_file.key.object_id(b"x") == made.key.object_id(b"x")
+    with pytest.raises(RemoteKeyError, match="the one that opened"):
+        remove_key(store, slot2, by_file)
+    remove_key(store, made.slot, by_file)  # the password's slot removed
+    with pytest.raises(StoreWrongKey, match="no key slot"):
+        open_keys(store, pw)
+    with pytest.raises(RemoteKeyError, match="no key slot"):
+        remove_key(store, made.slot, by_file)  # gone already
+    new_pw = _password(tmp_path / "pw2", "battery staple")
+    slot3 = change_password(store, by_file, new_pw, kdf=FAST)
+    assert {s.id for s in list_keys(store)} == {slot3}
+    assert open_keys(store, new_pw).key.object_id(b"x") == made.key.object_id(b"x")
+    with pytest.raises(StoreWrongKey):
+        open_keys(store, Credentials.build(key_file=key_file))
+
+
+def test_keyed_ids_hide_plain_hashes(tmp_path: Path) -> None:
+    a = init_keys(tmp_path / "a", _password(tmp_path / "pa", "a"), kdf=FAST).key
+    b = init_keys(tmp_path / "b", _password(tmp_path / "pb", "a"), kdf=FAST).key
+    data = SECRET.encode() * 1000
+    assert a.object_id(data) == a.object_id(bytes(data))  # same content, same id: dedup
+    assert a.object_id(data) != blake3.blake3(data).digest()
+    assert a.object_id(data) != b.object_id(data)  # another store's key: another id
+    h = a.hasher()
+    h.update(data[:777])
+    h.update(data[777:])
+    assert h.digest() == a.object_id(data)
+
+
+def test_sealed_objects_of_a_real_store_hide_it_and_round_trip(tmp_path: Path) -> None:
+    image = _image(tmp_path / "img")
+    repo = Repository.init(tmp_path / "plain", pack_size=1 << 20)
+    try:
+        repo.commit_dir(image, thread="nb", message="one")
+        objects = _objects(repo)
+    finally:
+        repo.close()
+    needles = _needles(image, objects)
+    # The control: the plain store's packs hold the secret and the plain ids.
+    assert {"secret", "id " + objects[0][2].hex()[:12]} <= _scan(tmp_path / "plain", needles)
+
+    key = init_keys(tmp_path / "enc", _password(tmp_path / "pw", "pw"), kdf=FAST).key
+    sealed_dir = tmp_path / "enc" / "sealed"
+    sealed_dir.mkdir()
+    stored = []
+    for i, (typ, comp, oid, raw, payload) in enumerate(objects):
+        kid = key.object_id(_plain(payload, oid, comp, raw))
+        body = key.seal(kid, typ, comp, payload)
+        assert len(body) == len(payload) + OVERHEAD
+        (sealed_dir / f"{i:06d}").write_bytes(body)
+        stored.append((typ, comp, kid, raw, oid))
+    assert _scan(tmp_path / "enc", needles) == set()
+
+    for i, (typ, comp, kid, raw, oid) in enumerate(stored):
+        payload = key.open(kid, typ, comp, (sealed_dir / f"{i:06d}").read_bytes())
+        assert blake3.blake3(_plain(payload, oid, comp, raw)).digest() == oid
+        assert key.object_id(_plain(payload, oid, comp, raw)) == kid
+
+    typ, comp, kid, _raw, _oid = stored[0]
+    body = bytearray((sealed_dir / "000000").read_bytes())
+    body[len(body) // 2] ^= 1
+    with pytest.raises(CorruptObject, match="does not authenticate"):
+        key.open(kid, typ, comp, bytes(body))
+    good = (sealed_dir / "000000").read_bytes()
+    with pytest.raises(CorruptObject):  # under another object's id
+        key.open(stored[1][2], typ, comp, good)
+    with pytest.raises(CorruptObject):  # claimed stored another way
+        key.open(kid, typ, comp ^ 1, good)
+    with pytest.raises(CorruptObject, match="truncated"):
+        key.open(kid, typ, comp, good[:OVERHEAD - 1])
+    other = init_keys(tmp_path / "other", _password(tmp_path / "po", "pw"), kdf=FAST).key
+    with pytest.raises(CorruptObject):  # another store's key
+        other.open(kid, typ, comp, good)
+
+
+def test_sealed_pack_headers(tmp_path: Path) -> None:
+    repo = Repository.init(tmp_path / "plain", pack_size=1 << 20)
+    try:
+        repo.commit_dir(_image(tmp_path / "img"), thread="nb")
+        packs, problems = read_packs(repo)
+        assert packs and not problems
+        header, entries = read_pack_header(next(iter(pack_files(repo).values())))
+    finally:
+        repo.close()
+    key = init_keys(tmp_path / "enc", _password(tmp_path / "pw", "pw"), kdf=FAST).key
+    sealed = key.seal_header(header, 1)
+    assert all(e.id not in sealed for e in entries)
+    assert key.open_header(sealed, 1) == header
+    with pytest.raises(CorruptObject):
+        key.open_header(sealed, 2)
+    flipped = bytearray(sealed)
+    flipped[-1] ^= 0x80
+    with pytest.raises(CorruptObject, match="does not authenticate"):
+        key.open_header(bytes(flipped), 1, "p")
+
+
+def _plain(payload: bytes, oid: bytes, comp: int, raw: int) -> bytes:
+    assert comp != DELTA  # a first snapshot has no page deltas
+    return decode_payload(payload, oid, comp, raw, "test")
+
+
+def test_key_files_stay_private(tmp_path: Path) -> None:
+    old = os.umask(0)
+    try:
+        made = init_keys(tmp_path / "s", Credentials.build(key_file=tmp_path / "k"), kdf=FAST)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "k").stat().st_mode & 0o077 == 0
+    assert (tmp_path / "s" / "keys" / made.slot).stat().st_mode & 0o077 == 0
+    with pytest.raises(Exception, match="has keys already"):
+        init_keys(tmp_path / "s", Credentials.build(key_file=tmp_path / "k"))
