@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -436,6 +437,39 @@ class Criu:
             except Exception as exc:  # noqa: BLE001 - any decode failure means damaged images
                 raise RequestError("bad_request", f"image {name} cannot be read: {exc}") from None
 
+    def pagemap(self, dir_fd: int, name: str) -> tuple[int, list[tuple[int, int]]]:
+        """A pagemap image's ``pages_id`` and its entries' ``(nr_pages, flags)``, read as
+        protobuf messages: ``load_image``'s conversion to dicts took 140 ms for the 80 KB
+        pagemap of a 4 GiB kernel, on every restore's check (issue 32's wake)."""
+        images = self.pycriu.images
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        with os.fdopen(fd, "rb") as f:
+            data = f.read()
+        try:
+            (magic,), at = struct.unpack_from("i", data, 0), 4
+            if magic in (images.by_name["IMG_COMMON"], images.by_name["IMG_SERVICE"]):
+                (magic,), at = struct.unpack_from("i", data, 4), 8
+            if images.by_val.get(magic) != "PAGEMAP":
+                raise ValueError(f"not a pagemap (magic {magic:#x})")
+            head, entries = None, []
+            while at < len(data):
+                (size,) = struct.unpack_from("i", data, at)
+                at += 4
+                if size < 0 or at + size > len(data):
+                    raise ValueError("an entry runs past the end")
+                msg = images.pb.pagemap_head() if head is None else images.pb.pagemap_entry()
+                msg.ParseFromString(data[at:at + size])
+                at += size
+                if head is None:
+                    head = msg
+                else:
+                    entries.append((msg.nr_pages, msg.flags))
+        except Exception as exc:  # noqa: BLE001 - any decode failure means damaged images
+            raise RequestError("bad_request", f"image {name} cannot be read: {exc}") from None
+        if head is None or not head.HasField("pages_id"):
+            raise RequestError("bad_request", f"damaged images: {name} has no header")
+        return head.pages_id, entries
+
 
 def _send(sk: socket.socket, req: Any, deadline: float) -> None:
     sk.settimeout(max(0.001, deadline - time.monotonic()))
@@ -531,13 +565,10 @@ def check_page_files(criu: Criu, dir_fd: int) -> None:
     page = os.sysconf("SC_PAGE_SIZE")
     names = set(image_names(dir_fd))
     for name in sorted(n for n in names if n.startswith("pagemap") and n.endswith(".img")):
-        entries = criu.load_image(dir_fd, name).get("entries", [])
-        if not entries or "pages_id" not in entries[0]:
-            raise RequestError("bad_request", f"damaged images: {name} has no header")
-        pages = f"pages-{entries[0]['pages_id']}.img"
-        want = page * sum(int(e.get("nr_pages", 0)) for e in entries[1:]
-                          if int(e.get("flags", 0)) & PE_PRESENT
-                          and not int(e.get("flags", 0)) & PE_PARENT)
+        pages_id, entries = criu.pagemap(dir_fd, name)
+        pages = f"pages-{pages_id}.img"
+        want = page * sum(n for n, flags in entries
+                          if flags & PE_PRESENT and not flags & PE_PARENT)
         have = os.stat(pages, dir_fd=dir_fd, follow_symlinks=False).st_size \
             if pages in names else None
         if (have or 0) != want:
