@@ -131,7 +131,7 @@ class _Checker:
         commits: dict[str, Commit] = {}
         for cid, path in files.items():
             try:
-                commits[cid] = layout.load_commit_file(cid, path)
+                commits[cid] = layout.load_commit_file(cid, path, repo.key)
             except (StoreError, OSError) as exc:
                 self.problems.append(f"commit {cid}: {exc}")
         indexed = set(repo.index.commit_ids())
@@ -255,6 +255,7 @@ class _Checker:
 
     def _read_data(self, packs: dict[str, list[PackEntry]]) -> None:
         files = layout.pack_files(self.repo)
+        key = self.repo.key
 
         def verify(name: str) -> tuple[list[str], int]:
             found: list[str] = []
@@ -265,13 +266,17 @@ class _Checker:
                     payload = f.read(e.length)
                     count += 1
                     try:
+                        if key is not None:  # an encrypted store's: open it first
+                            payload = self.reader.open(e.id, Location(
+                                name, e.offset, e.length, e.raw_length, e.type,
+                                e.compression), payload)
                         if e.compression == DELTA:
                             self.reader.rebuild(e.id, Location(name, e.offset, e.length,
                                                                e.raw_length, e.type, DELTA),
                                                 payload)
                         else:
                             decode_payload(payload, e.id, e.compression, e.raw_length,
-                                           f"object {e.id.hex()} in pack {name}")
+                                           f"object {e.id.hex()} in pack {name}", key)
                     except (ChecksumMismatch, ObjectMissing) as exc:
                         found.append(str(exc))
             return found, count

@@ -10,7 +10,9 @@ offset in the file. So the
 per-chunk work is one hash and the rest is per run: few, large system calls and no copies
 of raw chunks. All-zero chunks are not written (they stay holes). A chunk stored as a page
 delta is a run of its own: its payload is read the same way, its sources are read through
-``ObjectReader`` and the rebuilt chunk is verified as a whole.
+``ObjectReader`` and the rebuilt chunk is verified as a whole. In an encrypted store each
+chunk of a run is opened (AES-256-GCM) after the read, into one buffer of payloads that
+is then decoded as a plain run, and ids are keyed.
 """
 
 from __future__ import annotations
@@ -94,7 +96,8 @@ class Materializer:
         self._fds: dict[str, int] = {}
         self._fds_lock = threading.Lock()
         self._local = threading.local()
-        self._zero_ids = _zero_chunk_ids(repo.chunker.max_size)
+        self._key = repo.key
+        self._zero_ids = _zero_chunk_ids(repo.chunker.max_size, self._key)
         self._reader = ObjectReader(repo)  # delta chunks' sources
 
     def __enter__(self) -> Materializer:
@@ -214,12 +217,22 @@ class Materializer:
                     pos += length
                     if pos > got:
                         raise ChecksumMismatch(f"object {cid.hex()} in pack {pack}: short read")
+            if self._key is not None:  # open every chunk; then decode the payloads as a run
+                buf, items = self._open_run(buf, pack, items)
             if items[0][3] == DELTA:
                 cid, length, raw, comp = items[0]
                 deltas.append((cid, Location(pack, start, length, raw, CHUNK, comp), bytes(buf),
                                file_offset))
                 continue
             out = self._decode_run(buf, pack, items)
+            if self._key is not None:
+                keyed = self._key.object_id
+                for (cid, _length, raw, _comp), data in zip(items, out, strict=True):
+                    if len(data) != raw or keyed(data) != cid:
+                        raise ChecksumMismatch(
+                            f"object {cid.hex()} in pack {pack}: checksum mismatch")
+                pwritev_all(fd, out, file_offset)
+                continue
             for (cid, _length, raw, _comp), data in zip(items, out, strict=True):
                 if len(data) != raw or blake3.blake3(data).digest() != cid:
                     raise ChecksumMismatch(f"object {cid.hex()} in pack {pack}: checksum mismatch")
@@ -254,6 +267,28 @@ class Materializer:
             end = file_offset + len(data)
         if out:
             pwritev_all(fd, out, at)
+
+    def _open_run(self, buf: memoryview, pack: str, items: list[tuple[bytes, int, int, int]]
+                  ) -> tuple[memoryview, list[tuple[bytes, int, int, int]]]:
+        """An encrypted store's run read into ``buf``: its chunks' payloads, opened, in one
+        buffer, and the items with their payloads' lengths."""
+        key = self._key
+        assert key is not None
+        out = getattr(self._local, "opened", None)
+        if out is None or len(out) < len(buf):  # a second per-thread buffer, reused
+            out = self._local.opened = memoryview(bytearray(max(len(buf), 2 * RUN_MAX)))
+        opened: list[tuple[bytes, int, int, int]] = []
+        pos = at = 0
+        open_into = key.open_into
+        for cid, length, raw, comp in items:
+            try:
+                n = open_into(cid, CHUNK, comp, buf[pos:pos + length], out[at:])
+            except CorruptObject as exc:
+                raise ChecksumMismatch(f"{exc} (in pack {pack})") from None
+            opened.append((cid, n, raw, comp))
+            pos += length
+            at += n
+        return out[:at], opened
 
     def _decode_run(self, buf: memoryview, pack: str, items: list[tuple[bytes, int, int, int]]
                     ) -> list[Any]:
@@ -332,9 +367,11 @@ class Materializer:
             return fd
 
 
-def _zero_chunk_ids(max_size: int) -> dict[int, bytes]:
-    """BLAKE3 ids of all-zero chunks of each page-multiple length up to ``max_size``."""
+def _zero_chunk_ids(max_size: int, key: Any = None) -> dict[int, bytes]:
+    """BLAKE3 ids (keyed, with an encrypted store's ``key``) of all-zero chunks of each
+    page-multiple length up to ``max_size``."""
     sizes = set(range(PAGE, max_size + 1, PAGE)) | {max_size}
     zeros = bytes(max_size)
     view = memoryview(zeros)
-    return {n: hash_bytes(view[:n]) for n in sorted(sizes)}
+    hasher = hash_bytes if key is None else key.object_id
+    return {n: hasher(view[:n]) for n in sorted(sizes)}

@@ -17,7 +17,10 @@ HEAD is known only to its server: delete from the panel (or stop the server) whe
 ``hot/`` in this user's directory of the helper's work dir (``--hot-tier`` to name it).
 
 Remotes are encrypted (remote_repo.py, keys.py): ``key init REMOTE`` makes an empty one
-encrypted, ``key add|list|remove|passwd REMOTE`` manage its key slots. The key comes from
+encrypted, ``key add|list|remove|passwd REMOTE`` manage its key slots. ``init --encrypt``
+makes a local store encrypted at rest (local_crypto.py); ``key add|list|remove|passwd PATH``
+manage its slots, and every command opens it with ``$INFINIJUP_STORE_PASSWORD_FILE`` /
+``$INFINIJUP_STORE_KEY_FILE``. The key comes from
 ``--password-file`` / ``--key-file``, else ``$INFINIJUP_STORE_PASSWORD_FILE`` /
 ``$INFINIJUP_STORE_KEY_FILE``, else a prompt when stdin is a terminal. ``push`` to a remote
 without encryption needs ``--unencrypted`` (or ``$INFINIJUP_REMOTE_UNENCRYPTED=1``).
@@ -72,6 +75,19 @@ def _configure(p: argparse.ArgumentParser) -> None:
     common.add_argument("--store", metavar="PATH", default=argparse.SUPPRESS, help=_STORE_HELP)
     sub = p.add_subparsers(dest="store_command", metavar="COMMAND")
     sub.required = True
+    init = sub.add_parser("init", parents=[common], help="create a store",
+                          description="Create an empty store. With --encrypt it is encrypted "
+                                      "at rest: its first key slot is opened by the password "
+                                      "or key file given, and every process that opens the "
+                                      "store needs one of its keys "
+                                      f"(${PASSWORD_FILE_ENV} or ${KEY_FILE_ENV}).")
+    init.add_argument("--encrypt", action="store_true",
+                      help="encrypt the store at rest (keyed ids; sealed objects, commits, "
+                           "refs; the index holds no plaintext)")
+    init.add_argument("--password-file", metavar="FILE", default=None,
+                      help=f"the store's password, in a file (default: ${PASSWORD_FILE_ENV})")
+    init.add_argument("--key-file", metavar="FILE", default=None,
+                      help=f"a key file (created if absent; default: ${KEY_FILE_ENV})")
     log = sub.add_parser("log", parents=[common], help="list commits, newest first")
     log.add_argument("--thread", help="only ancestors of this thread's tip")
     log.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -133,10 +149,11 @@ def _configure(p: argparse.ArgumentParser) -> None:
                            help="create a store from every thread of a remote")
     clone.add_argument("remote", help="s3://bucket/prefix")
     clone.add_argument("path", nargs="?", help="new store (default: --store or the default)")
-    keys = sub.add_parser("key", help="the keys of an encrypted remote",
-                          description="Manage the key slots of an encrypted remote: each "
-                                      "slot (a password or a key file) opens the same master "
-                                      "key. Lose them all and the data cannot be read.")
+    keys = sub.add_parser("key", help="the keys of an encrypted remote or local store",
+                          description="Manage the key slots of an encrypted remote "
+                                      "(s3://...) or local store (a path): each slot (a "
+                                      "password or a key file) opens the same master key. "
+                                      "Lose them all and the data cannot be read.")
     ksub = keys.add_subparsers(dest="key_command", metavar="KEY_COMMAND")
     ksub.required = True
     new = argparse.ArgumentParser(add_help=False)
@@ -171,6 +188,8 @@ def run(args: argparse.Namespace) -> int:
             return _clone(args.remote, args.path or path, args)
         if args.store_command == "key":
             return _key(args)
+        if args.store_command == "init":
+            return _init(path, args)
         repo = Repository.open(path)
         try:
             return _COMMANDS[args.store_command](repo, args)
@@ -453,6 +472,25 @@ def _print_pull(r: Any) -> None:
           + (f"; thread {r.thread} -> {r.commit[:12]}" if r.thread else ""))
 
 
+def _init(path: Any, args: argparse.Namespace) -> int:
+    if not args.encrypt:
+        if args.password_file or args.key_file:
+            raise RemoteKeyError("a password or key file is for --encrypt")
+        Repository.init(path).close()
+        print(f"created a store at {path}")
+        return 0
+    creds = _creds(args)
+    if not creds.has_key:
+        if not sys.stdin.isatty():
+            raise RemoteKeyError("give the store's first key: --password-file or --key-file "
+                                 f"(or ${PASSWORD_FILE_ENV} / ${KEY_FILE_ENV})")
+        creds = Credentials(_ask("new password: ", twice=True))
+    Repository.init(path, encrypt=creds).close()
+    print(f"created an encrypted store at {path}. Keep its password or key file: without "
+          "one, its snapshots cannot be read by anyone")
+    return 0
+
+
 def _new_creds(args: argparse.Namespace) -> Credentials:
     if args.new_password_file or args.new_key_file:
         return Credentials.build(password_file=args.new_password_file,
@@ -467,6 +505,8 @@ def _key(args: argparse.Namespace) -> int:
     from .s3 import S3Bucket
 
     cmd = args.key_command
+    if "://" not in args.remote:
+        return _local_key(args)
     if cmd == "init":
         creds = _creds(args)
         if not creds.has_key:
@@ -498,6 +538,31 @@ def _key(args: argparse.Namespace) -> int:
         print(f"key slot {opened.slot} replaced by {slot}")
     else:
         keys.remove_slot(remote.bucket, args.slot, opened.slot)
+        print(f"removed key slot {args.slot}")
+    return 0
+
+
+def _local_key(args: argparse.Namespace) -> int:
+    """``key list|add|passwd|remove PATH``: the key slots of an encrypted local store."""
+    from . import local_crypto
+
+    root = Path(args.remote)
+    if args.key_command == "init":
+        raise RemoteKeyError(f"{root}: a local store is encrypted when it is made "
+                             "(`store init --encrypt`), not afterwards")
+    opened = local_crypto.open_keys(root, _creds(args))
+    if args.key_command == "list":
+        for s in local_crypto.list_keys(root):
+            mark = "*" if s.id == opened.slot else " "
+            print(f"{mark} {s.id}  {s.type:<8}  {_fmt_time(s.created)}  {s.label}")
+    elif args.key_command == "add":
+        slot = local_crypto.add_key(root, opened, _new_creds(args), label=args.label)
+        print(f"added key slot {slot}")
+    elif args.key_command == "passwd":
+        slot = local_crypto.change_password(root, opened, _new_creds(args), label=args.label)
+        print(f"key slot {opened.slot} replaced by {slot}")
+    else:
+        local_crypto.remove_key(root, args.slot, opened)
         print(f"removed key slot {args.slot}")
     return 0
 

@@ -14,7 +14,8 @@ from .errors import UnsupportedFormat
 
 FORMAT = "infinijup-store"
 VERSION = 2
-READABLE_VERSIONS = (1, 2)
+ENCRYPTED_VERSION = 3  # an encrypted store (local_crypto.py); a plain store stays at 2
+READABLE_VERSIONS = (1, 2, 3)
 MAX_PACK = 512 << 20
 
 
@@ -29,11 +30,15 @@ class StoreConfig:
     pack_size: int = 128 << 20
     version: int = VERSION
     page_deltas: bool = True  # store changed chunks as page deltas (version 2 only)
+    encrypted: bool = False  # keyed ids, sealed objects, commits and refs (version 3)
 
     def to_json(self) -> bytes:
         """Encoding of the config file (always the current version)."""
+        extra = {"encryption": "local_crypto 1"} if self.encrypted else {}
         return json.dumps({
-            "format": FORMAT, "version": VERSION, "id": self.id,
+            **extra,
+            "format": FORMAT, "version": ENCRYPTED_VERSION if self.encrypted else VERSION,
+            "id": self.id,
             "chunker": self.chunker.to_dict(),
             "compression": {"algorithm": "zstd", "level": self.compression_level,
                             "min_saving": self.min_saving},
@@ -59,9 +64,14 @@ class StoreConfig:
             deltas = obj.get("page_deltas", False) if version >= 2 else False
             if not isinstance(deltas, bool):
                 raise UnsupportedFormat("page_deltas must be true or false")
+            encrypted = version == ENCRYPTED_VERSION
+            if encrypted != (obj.get("encryption") == "local_crypto 1") or (
+                    "encryption" in obj and not encrypted):
+                raise UnsupportedFormat(f"store format {version} with encryption "
+                                        f"{obj.get('encryption')!r} is not supported")
             cfg = cls(str(obj["id"]), ChunkerParams.from_dict(obj["chunker"]),
                       int(comp["level"]), float(comp["min_saving"]), int(obj["pack_size"]),
-                      version, deltas)
+                      version, deltas, encrypted)
         except UnsupportedFormat:
             raise
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -71,4 +81,4 @@ class StoreConfig:
         return cfg
 
 
-__all__ = ["FORMAT", "MAX_PACK", "READABLE_VERSIONS", "VERSION", "StoreConfig"]
+__all__ = ["ENCRYPTED_VERSION", "FORMAT", "MAX_PACK", "READABLE_VERSIONS", "VERSION", "StoreConfig"]

@@ -90,7 +90,7 @@ def _plan(repo: Repository, keep: set[str]) -> _Plan:
             continue
         if cid not in files:
             raise StoreError(f"gc refused: commit {cid} is missing (run check)")
-        reachable[cid] = layout.load_commit_file(cid, files[cid])
+        reachable[cid] = layout.load_commit_file(cid, files[cid], repo.key)
         stack.extend(reachable[cid].parents)
     live: set[bytes] = set()
     elsewhere = remote_only(repo)
@@ -235,14 +235,15 @@ def _repack(repo: Repository, plan: _Plan) -> list[str]:
                     f.close()
                 current, f = loc.pack, open(pack_path(repo.packs_dir, loc.pack), "rb")
             f.seek(loc.offset)
-            payload = f.read(loc.length)
+            payload = f.read(loc.length)  # copied as it is (sealed, in an encrypted store)
+            plain = payload if repo.key is None else reader.open(oid, loc, payload)
             if loc.compression == DELTA:  # verified by rebuilding it from its sources
-                reader.rebuild(oid, loc, payload)
+                reader.rebuild(oid, loc, plain)
             else:
-                decode_payload(payload, oid, loc.compression, loc.raw_length,
-                               f"object {oid.hex()} in pack {loc.pack}")
+                decode_payload(plain, oid, loc.compression, loc.raw_length,
+                               f"object {oid.hex()} in pack {loc.pack}", repo.key)
             if writer is None:
-                writer = PackWriter(repo.packs_dir, repo.tmp_dir)
+                writer = PackWriter(repo.packs_dir, repo.tmp_dir, key=repo.key)
             writer.add(loc.type, oid, payload, loc.compression, loc.raw_length)
             if writer.size >= repo.config.pack_size:
                 finish(writer)

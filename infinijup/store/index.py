@@ -9,6 +9,11 @@ Tables: ``packs`` (one row per pack file), ``objects`` (object id -> pack, offse
 type, compression), ``commits`` (id, created, thread, tree, encoded commit),
 ``commit_parents`` and ``commit_meta`` (top-level metadata key -> canonical JSON value, so
 snapshots can be found by notebook path, kernel id, ...).
+
+In an encrypted store (``key``, a local_crypto.StoreKey) the index holds nothing in the
+clear that the files do not: ``commits.body`` is the commit's sealed file, ``commits.thread``
+and ``commit_meta``'s keys and values are keyed tokens (``find_commits`` looks the tokens of
+what it is asked for up), and ids are keyed.
 """
 
 from __future__ import annotations
@@ -80,8 +85,9 @@ class Location(NamedTuple):
 class Index:
     """A thread-safe handle on the SQLite index of one store."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, key: Any = None) -> None:
         self.path = path
+        self._key = key
         self._lock = threading.RLock()
         if not path.exists():
             os.close(fsutil.open_private(path, os.O_WRONLY | os.O_CREAT))
@@ -276,7 +282,7 @@ class Index:
 
     def add_commits(self, commits: list[tuple[Commit, bytes]]) -> None:
         """Index commits (with their encoded bodies)."""
-        self._write(_commit_statements(commits))
+        self._write(_commit_statements(commits, self._key))
 
     def remove_commits(self, ids: Iterable[str]) -> None:
         """Forget commits."""
@@ -317,10 +323,10 @@ class Index:
         for i, (k, v) in enumerate(sorted(metadata.items())):
             sql += (f" JOIN commit_meta m{i} ON m{i}.commit_id = c.id"
                     f" AND m{i}.key = ? AND m{i}.value = ?")
-            params += [k, canonical_json(v).decode()]
+            params += _meta_row(self._key, k, v)
         if thread is not None:
             sql += " WHERE c.thread = ?"
-            params.append(thread)
+            params.append(_thread_value(self._key, thread))
         return [r[0] for r in self._query(sql + " ORDER BY c.created DESC, c.id", params)]
 
     def commit_count(self) -> int:
@@ -339,7 +345,7 @@ class Index:
         deltas = [(n, s, len(e), [x for x in e if x.compression == DELTA]) for n, s, e in packs]
         self._write(clear + _pack_statements(whole, False)
                     + _pack_statements([p for p in deltas if p[3]], False)
-                    + _commit_statements(commits))
+                    + _commit_statements(commits, self._key))
 
 
 _Stmt = tuple[str, Any, bool] | Callable[[sqlite3.Connection], None]
@@ -400,14 +406,27 @@ def _pack_inserter(name: str, size: int, count: int, rows: _RowsFor, replace: bo
     return insert
 
 
-def _commit_statements(commits: list[tuple[Commit, bytes]]) -> list[_Stmt]:
+def _thread_value(key: Any, thread: str) -> str:
+    return thread if key is None else key.token("index thread", thread.encode())
+
+
+def _meta_row(key: Any, k: str, v: Any) -> list[str]:
+    """(key, value) of a ``commit_meta`` row: canonical JSON, or keyed tokens."""
+    value = canonical_json(v).decode()
+    if key is None:
+        return [k, value]
+    return [key.token("index meta key", k.encode()),
+            key.token("index meta value", k.encode() + b"\0" + value.encode())]
+
+
+def _commit_statements(commits: list[tuple[Commit, bytes]], key: Any = None) -> list[_Stmt]:
     stmts: list[_Stmt] = []
     for c, body in commits:
         stmts.append(("INSERT OR IGNORE INTO commits VALUES (?,?,?,?,?)",
-                      (c.id, c.created, c.thread, c.tree, body), False))
+                      (c.id, c.created, _thread_value(key, c.thread), c.tree, body), False))
         stmts.append(("INSERT OR IGNORE INTO commit_parents VALUES (?,?,?)",
                       [(c.id, p, i) for i, p in enumerate(c.parents)], True))
         stmts.append(("INSERT OR IGNORE INTO commit_meta VALUES (?,?,?)",
-                      [(c.id, k, canonical_json(v).decode()) for k, v in c.metadata.items()],
+                      [(c.id, *_meta_row(key, k, v)) for k, v in c.metadata.items()],
                       True))
     return stmts

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from .errors import ChecksumMismatch, CorruptPack
+from .errors import ChecksumMismatch, CorruptObject, CorruptPack
 from .objects import Commit, decode_commit, hash_bytes, is_hex_id
 from .packs import PackEntry, read_pack_header
 
@@ -36,23 +36,43 @@ def read_packs(repo: RepoView) -> tuple[dict[str, list[PackEntry]], list[str]]:
     problems: list[str] = []
     for name, path in pack_files(repo).items():
         try:
-            header, entries = read_pack_header(path)
+            header, entries = read_pack_header(path, repo.key)
         except CorruptPack as exc:
             problems.append(str(exc))
             continue
-        if hash_bytes(header).hex() != name:
+        if id_of(repo.key, header).hex() != name:
             problems.append(f"pack {name}: name does not match its header")
             continue
         packs[name] = entries
     return packs, problems
 
 
-def load_commit_file(commit_id: str, path: Path) -> Commit:
-    """Read and verify one commit file."""
-    body = path.read_bytes()
-    if hash_bytes(body).hex() != commit_id:
+def id_of(key: Any, data: bytes | memoryview) -> bytes:
+    """The id of ``data``: its BLAKE3, or its keyed BLAKE3 in an encrypted store (``key``,
+    a local_crypto.StoreKey)."""
+    return hash_bytes(data) if key is None else key.object_id(data)
+
+
+def commit_file_bytes(key: Any, commit_id: str, body: bytes) -> bytes:
+    """What a commit's file holds: its body, sealed in an encrypted store."""
+    return body if key is None else key.seal_named("commit", commit_id, body)
+
+
+def commit_body(key: Any, commit_id: str, data: bytes) -> bytes:
+    """The verified body of a commit from its file's bytes ``data``."""
+    if key is not None:
+        try:
+            data = key.open_named("commit", commit_id, data)
+        except CorruptObject as exc:
+            raise ChecksumMismatch(str(exc)) from None
+    if id_of(key, data).hex() != commit_id:
         raise ChecksumMismatch(f"commit {commit_id}: checksum mismatch")
-    return decode_commit(commit_id, body)
+    return data
+
+
+def load_commit_file(commit_id: str, path: Path, key: Any = None) -> Commit:
+    """Read and verify one commit file."""
+    return decode_commit(commit_id, commit_body(key, commit_id, path.read_bytes()))
 
 
 def _fanout(root: Path) -> dict[str, Path]:

@@ -46,7 +46,7 @@ KEYS_DIR = "keys"
 SCHEME = "aes-256-gcm+blake3-keyed"
 NONCE = 12
 TAG = 16
-OVERHEAD = NONCE + TAG  # sealed bytes more than the plaintext, per object
+OVERHEAD = NONCE + TAG  # sealed bytes more than the plaintext, per object (packs.SEALED)
 _OBJECT_AD = b"IJLO"  # + type, compression, keyed id
 _HEADER_AD = b"IJLH"  # + pack format version
 _CONTEXT = "infinijup local store 2026-11 {} key"
@@ -62,6 +62,8 @@ class StoreKey:
         self._id_key = blake3.blake3(master, derive_key_context=_CONTEXT.format("id")).digest()
         obj = blake3.blake3(master, derive_key_context=_CONTEXT.format("object")).digest()
         self._aead = AESGCM(obj)
+        self._token_key = blake3.blake3(master,
+                                        derive_key_context=_CONTEXT.format("token")).digest()
 
     # -- ids ---------------------------------------------------------------------------------
     def object_id(self, data: bytes | memoryview) -> bytes:
@@ -94,6 +96,21 @@ class StoreKey:
             raise CorruptObject(f"object {oid.hex()}: sealed payload does not authenticate "
                                 "(damaged, or not this object's)") from None
 
+    def open_into(self, oid: bytes, typ: int, compression: int, sealed: memoryview,
+                  out: memoryview) -> int:
+        """``open``, the payload written into ``out`` (at least ``len(sealed) - OVERHEAD``
+        bytes); returns its length."""
+        n = len(sealed) - OVERHEAD
+        if n < 0:
+            raise CorruptObject(f"object {oid.hex()}: sealed payload truncated")
+        try:
+            self._aead.decrypt_into(sealed[:NONCE], sealed[NONCE:],
+                                    _object_ad(oid, typ, compression), out[:n])
+        except InvalidTag:
+            raise CorruptObject(f"object {oid.hex()}: sealed payload does not authenticate "
+                                "(damaged, or not this object's)") from None
+        return n
+
     def seal_header(self, header: bytes, version: int) -> bytes:
         """A pack header sealed (the list of ids and sizes it holds is hidden too)."""
         nonce = os.urandom(NONCE)
@@ -108,6 +125,32 @@ class StoreKey:
                                       _HEADER_AD + bytes([version]))
         except InvalidTag:
             raise CorruptObject(f"pack {name}: sealed header does not authenticate") from None
+
+
+    # -- commits, refs, index entries -------------------------------------------------------
+    def token(self, kind: str, value: bytes) -> str:
+        """A keyed token (64 hex digits) standing for ``value`` where a name or an indexed
+        value would be plaintext (ref file names, the index's threads and metadata)."""
+        return blake3.blake3(kind.encode() + b"\0" + value, key=self._token_key).hexdigest()
+
+    def seal_named(self, kind: str, name: str, data: bytes) -> bytes:
+        """``data`` sealed as the ``kind`` file ``name`` (a commit, a ref)."""
+        nonce = os.urandom(NONCE)
+        return nonce + self._aead.encrypt(nonce, data, _named_ad(kind, name))
+
+    def open_named(self, kind: str, name: str, sealed: bytes) -> bytes:
+        """The plaintext of a ``seal_named`` file; CorruptObject if it does not open."""
+        if len(sealed) < OVERHEAD:
+            raise CorruptObject(f"{kind} {name}: sealed file truncated")
+        try:
+            return self._aead.decrypt(sealed[:NONCE], sealed[NONCE:], _named_ad(kind, name))
+        except InvalidTag:
+            raise CorruptObject(f"{kind} {name}: sealed file does not authenticate "
+                                "(damaged, or not this one)") from None
+
+
+def _named_ad(kind: str, name: str) -> bytes:
+    return b"IJLN" + kind.encode() + b"\0" + name.encode()
 
 
 def _object_ad(oid: bytes, typ: int, compression: int) -> bytes:

@@ -14,6 +14,11 @@ delta.py; store format 2). A pack's name is the BLAKE3 of its header
 (the header lists every object id and length, so equal names mean equal contents).
 Packs are written to ``tmp/``, fsynced, then renamed into ``packs/<xx>/`` and the directory
 fsynced: a pack either exists whole or not at all.
+
+In an encrypted store (``key``: a local_crypto.StoreKey) every object is stored sealed (its
+stored length counts the 28 bytes of nonce and tag), the header is sealed as a whole (the
+trailer's length is the sealed header's), ids are keyed and a pack's name is the keyed id of
+its plaintext header.
 """
 
 from __future__ import annotations
@@ -25,13 +30,17 @@ import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import zstandard
 
 from . import fsutil
-from .errors import ChecksumMismatch, CorruptPack, ObjectMissing
+from .errors import ChecksumMismatch, CorruptObject, CorruptPack, ObjectMissing
 from .objects import CHUNK, ID_BYTES, TYPE_NAMES, hash_bytes
+
+if TYPE_CHECKING:
+    from .local_crypto import StoreKey
 
 RAW, ZSTD, DELTA = 0, 1, 2
 COMPRESSIONS = (RAW, ZSTD, DELTA)
@@ -44,6 +53,7 @@ ENTRY = struct.Struct("<BB32sQQ")
 HEADER_VERSION = 1
 MAX_HEADER = HEADER_HEAD.size + 16 * 1024 * 1024 * ENTRY.size  # sanity bound
 MAX_RAW = 1 << 34  # no single object is larger than 16 GiB
+SEALED = 28  # bytes a sealed object takes more than its payload (local_crypto.OVERHEAD)
 
 
 @dataclass(frozen=True)
@@ -66,8 +76,10 @@ def encode_header(entries: list[PackEntry]) -> bytes:
     return body + hash_bytes(body)
 
 
-def parse_header(header: bytes, data_length: int, name: str = "?") -> list[PackEntry]:
-    """Parse a header and check it accounts for exactly ``data_length`` bytes of objects."""
+def parse_header(header: bytes, data_length: int, name: str = "?", overhead: int = 0
+                 ) -> list[PackEntry]:
+    """Parse a header and check it accounts for exactly ``data_length`` bytes of objects
+    (``overhead``: the sealing bytes per object of an encrypted store)."""
     if len(header) < HEADER_HEAD.size + ID_BYTES:
         raise CorruptPack(f"pack {name}: header too short")
     body, digest = header[:-ID_BYTES], header[-ID_BYTES:]
@@ -84,7 +96,7 @@ def parse_header(header: bytes, data_length: int, name: str = "?") -> list[PackE
         typ, comp, oid, length, raw = ENTRY.unpack_from(body, HEADER_HEAD.size + i * ENTRY.size)
         if typ not in TYPE_NAMES or comp not in COMPRESSIONS or raw > MAX_RAW:
             raise CorruptPack(f"pack {name}: entry {i} has a bad type/compression/size")
-        if comp == RAW and length != raw:
+        if comp == RAW and length != raw + overhead:
             raise CorruptPack(f"pack {name}: raw entry {i} has mismatched lengths")
         if comp == DELTA and typ != CHUNK:
             raise CorruptPack(f"pack {name}: entry {i} is a delta but not a chunk")
@@ -97,13 +109,14 @@ def parse_header(header: bytes, data_length: int, name: str = "?") -> list[PackE
     return entries
 
 
-def read_pack_entries(path: Path) -> list[PackEntry]:
+def read_pack_entries(path: Path, key: StoreKey | None = None) -> list[PackEntry]:
     """Read and parse the header at the end of the pack file at ``path``."""
-    return read_pack_header(path)[1]
+    return read_pack_header(path, key)[1]
 
 
-def read_pack_header(path: Path) -> tuple[bytes, list[PackEntry]]:
-    """(raw header, parsed entries) of the pack file at ``path``."""
+def read_pack_header(path: Path, key: StoreKey | None = None) -> tuple[bytes, list[PackEntry]]:
+    """(raw header, parsed entries) of the pack file at ``path`` (its header opened with
+    ``key`` in an encrypted store: the plaintext header is returned)."""
     name = path.name
     try:
         with open(path, "rb") as f:
@@ -120,7 +133,13 @@ def read_pack_header(path: Path) -> tuple[bytes, list[PackEntry]]:
             header = f.read(hlen)
     except FileNotFoundError as exc:
         raise ObjectMissing(f"pack {name} is missing") from exc
-    return header, parse_header(header, size - TRAILER.size - hlen, name)
+    if key is None:
+        return header, parse_header(header, size - TRAILER.size - hlen, name)
+    try:
+        header = key.open_header(header, HEADER_VERSION, name)
+    except CorruptObject as exc:
+        raise CorruptPack(str(exc)) from None
+    return header, parse_header(header, size - TRAILER.size - hlen, name, SEALED)
 
 
 _local = threading.local()  # zstd contexts are not thread-safe: one per thread
@@ -134,12 +153,13 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 
 
 def decode_payload(payload: bytes, entry_id: bytes, compression: int, raw_length: int,
-                   where: str) -> bytes:
-    """Decompress and BLAKE3-verify one stored object. ``where`` names it in errors.
+                   where: str, key: StoreKey | None = None) -> bytes:
+    """Decompress and BLAKE3-verify one stored object (its payload opened already, in an
+    encrypted store, whose ``key`` makes the id). ``where`` names it in errors.
 
     Deltas need their sources: read them with ``reader.ObjectReader``."""
     data = decompress_payload(payload, compression, raw_length, where)
-    if hash_bytes(data) != entry_id:
+    if (hash_bytes(data) if key is None else key.object_id(data)) != entry_id:
         raise ChecksumMismatch(f"{where}: checksum mismatch")
     return data
 
@@ -171,8 +191,10 @@ class PackWriter:
     header and the index rows in bulk.
     """
 
-    def __init__(self, packs_dir: Path, tmp_dir: Path, *, writeback: bool = True) -> None:
+    def __init__(self, packs_dir: Path, tmp_dir: Path, *, writeback: bool = True,
+                 key: StoreKey | None = None) -> None:
         self.packs_dir = packs_dir
+        self.key = key  # an encrypted store's: payloads come sealed, the header is sealed
         self.tmp_path = fsutil.temp_name(tmp_dir, "pack")
         self._fd = fsutil.open_private(self.tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         self.types: list[int] = []
@@ -248,12 +270,13 @@ class PackWriter:
         Every reserved payload must have been written."""
         header = encode_header_columns(self.types, self.compressions, self.ids, self.lengths,
                                        self.raw_lengths)
-        tail = header + TRAILER.pack(len(header), TRAILER_MAGIC)
+        stored = header if self.key is None else self.key.seal_header(header, HEADER_VERSION)
+        tail = stored + TRAILER.pack(len(stored), TRAILER_MAGIC)
         pwritev_all(self._fd, [tail], self.size)
         os.fsync(self._fd)
         os.close(self._fd)
         self._fd = -1
-        pack_id = hash_bytes(header).hex()
+        pack_id = (hash_bytes(header) if self.key is None else self.key.object_id(header)).hex()
         final = pack_path(self.packs_dir, pack_id)
         fsutil.make_private_dir(final.parent)
         os.replace(self.tmp_path, final)

@@ -82,11 +82,20 @@ class ObjectReader:
         return loc
 
     def payload(self, oid: bytes, loc: Location) -> bytes:
-        """The stored bytes of an object (not verified)."""
+        """The stored bytes of an object (not verified; in an encrypted store, opened:
+        authenticated, still compressed)."""
         data = os.pread(self.pack_fd(loc.pack), loc.length, loc.offset)
         if len(data) != loc.length:
             raise ChecksumMismatch(f"object {oid.hex()} in pack {loc.pack}: short read")
-        return data
+        return data if self.repo.key is None else self.open(oid, loc, data)
+
+    def open(self, oid: bytes, loc: Location, sealed: bytes | memoryview) -> bytes:
+        """The payload of an encrypted store's object from its sealed bytes (ChecksumMismatch
+        if they do not authenticate)."""
+        try:
+            return self.repo.key.open(oid, loc.type, loc.compression, sealed)
+        except CorruptObject as exc:
+            raise ChecksumMismatch(f"{exc} (in pack {loc.pack})") from None
 
     def read(self, oid: bytes, loc: Location | None = None, *, _depth: int = 0) -> bytes:
         """The verified plaintext of ``oid`` (located by the index unless ``loc`` is given).
@@ -99,7 +108,8 @@ class ObjectReader:
         payload = self.payload(oid, loc)
         where = f"object {oid.hex()} in pack {loc.pack}"
         if loc.compression != DELTA:
-            return decode_payload(payload, oid, loc.compression, loc.raw_length, where)
+            return decode_payload(payload, oid, loc.compression, loc.raw_length, where,
+                                  self.repo.key)
         return bytes(self.rebuild(oid, loc, payload, _depth))
 
     def rebuild(self, oid: bytes, loc: Location, payload: bytes, depth: int = 0, *,
@@ -135,7 +145,8 @@ class ObjectReader:
             data = delta.apply(payload, loc.raw_length, source, self.dctx(), parsed)
         except CorruptObject as exc:
             raise ChecksumMismatch(f"{where}: damaged delta ({exc})") from exc
-        if hash_bytes(data) != oid:
+        key = self.repo.key
+        if (hash_bytes(data) if key is None else key.object_id(data)) != oid:
             for sid in parsed.sources:  # a damaged source names itself
                 if cache is not None:
                     cache.pop(sid, None)
@@ -154,6 +165,13 @@ class ObjectReader:
     def delta_header(self, oid: bytes, loc: Location) -> delta.Delta:
         """The parsed header (sources and runs) of the delta object ``oid``; reads only the
         header's bytes."""
+        if self.repo.key is not None:  # sealed: read and open it whole
+            try:
+                payload = self.payload(oid, loc)
+                return delta.parse(payload[:delta.header_size(payload)])
+            except CorruptObject as exc:
+                raise ChecksumMismatch(
+                    f"object {oid.hex()} in pack {loc.pack}: damaged delta ({exc})") from exc
         fd = self.pack_fd(loc.pack)
         head = os.pread(fd, min(loc.length, 4096), loc.offset)
         try:

@@ -35,7 +35,7 @@ def rebuild_index(repo: RepoView) -> dict[str, int]:
         skipped_commits = 0
         for cid, path in layout.commit_files(repo).items():
             try:
-                commit = layout.load_commit_file(cid, path)
+                commit = layout.load_commit_file(cid, path, repo.key)
             except (StoreError, OSError):
                 skipped_commits += 1
                 continue

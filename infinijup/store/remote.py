@@ -106,6 +106,18 @@ class PullReport:
 
 # -- remotes and refs ------------------------------------------------------------------------
 
+def refuse_encrypted_store(repo: Repository, what: str) -> None:
+    """An encrypted local store neither pushes nor pulls (yet): its packs are sealed with
+    its own key and its ids are keyed, while a remote's packs are a plain store's packs
+    verbatim, so a transfer would have to re-pack every chunk (decrypt, re-hash, re-seal)."""
+    if repo.key is not None:
+        raise RemoteError(
+            f"{what} refused: {repo.path} is an encrypted local store, whose packs and ids "
+            "cannot be sent to or taken from a remote as they are (a transfer would re-pack "
+            "every chunk; not built). Push from, or pull into, a plain store, or keep the "
+            "encrypted store on its disk only")
+
+
 def _opened(remote: Remote | S3Bucket, creds: Credentials | None = None) -> RemoteRepo:
     if isinstance(remote, RemoteRepo):
         return remote
@@ -172,6 +184,7 @@ def push(repo: Repository, remote: Remote, threads: Iterable[str] = (), *,
          creds: Credentials | None = None) -> PushReport:
     """Send ``threads`` (default: every local thread) and what they need to ``remote``
     (refused for an unencrypted remote unless ``creds.unencrypted``)."""
+    refuse_encrypted_store(repo, "push")
     remote = _opened(remote, creds)
     remote.check_push_allowed()
     local = repo.threads()
@@ -316,6 +329,7 @@ def pull(repo: Repository, remote: Remote, ref: str, *,
          creds: Credentials | None = None) -> PullReport:
     """Fetch ``ref`` (a thread of the remote, or a full commit id) and its history; a
     thread is created or moved forward locally (RemoteConflict if the two diverged)."""
+    refuse_encrypted_store(repo, "pull")
     remote = _opened(remote, creds)
     remote_ref = None
     if is_hex_id(ref):
@@ -355,6 +369,7 @@ def fetch_commit_data(repo: Repository, remote: Remote, commit_id: str,
     ``url``: the packs its manifest names that the store lacks, verified as a pull's (every
     object of the commit's tree present and hashing to its id) before they become visible;
     then the commit is no longer remote-only."""
+    refuse_encrypted_store(repo, "fetching a commit's data")
     commit = repo.get_commit(commit_id)
     remote = _opened(remote, creds)
     with FileLock(repo.lock_path, shared=True, timeout=repo.lock_timeout):

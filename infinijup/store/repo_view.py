@@ -31,6 +31,7 @@ class RepoView(Protocol):
     tmp_dir: Path
     lock_path: Path
     index_path: Path
+    key: Any  # an encrypted store's local_crypto.StoreKey; None for a plain store
 
     @property
     def index(self) -> Index: ...

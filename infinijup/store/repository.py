@@ -10,6 +10,12 @@ On disk (every directory 0700, every file 0600)::
     lock, refs.lock        flock-based locks (see lock.py)
     tmp/                   packs being written
 
+An encrypted store (format 3, ``init(encrypt=...)``; local_crypto.py) also has ``keys/`` and
+``encryption``; its ids are keyed, its objects, pack headers, commit files and refs sealed,
+its ref files named by keyed tokens, and the index holds sealed commits and keyed tokens
+in place of threads and metadata. It is unlocked at open (``credentials``, else
+``$INFINIJUP_STORE_PASSWORD_FILE`` / ``$INFINIJUP_STORE_KEY_FILE``).
+
 A snapshot is written in the order packs -> index -> commit object -> ref, each step
 durable (fsync) before the next, so a crash at any point leaves every earlier commit intact
 and at worst some unreferenced garbage that ``gc`` removes.
@@ -39,14 +45,13 @@ from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from . import fsutil
+from . import fsutil, layout
 from .chunking import ChunkerParams, make_chunker
 from .config import VERSION, StoreConfig
 from .errors import (
     AmbiguousRef,
-    ChecksumMismatch,
     CorruptObject,
     InvalidRef,
     InvalidTree,
@@ -79,6 +84,10 @@ from .reader import ObjectReader
 from .rebuild import rebuild_index
 from .writer import Dir, Writer, entries_from_dir
 
+if TYPE_CHECKING:
+    from .keys import Credentials, KdfParams
+    from .local_crypto import StoreKey
+
 MIN_PREFIX = 8
 _HEX = frozenset("0123456789abcdef")
 
@@ -104,10 +113,11 @@ class Repository:
     """A snapshot store on local disk. Safe for threads and processes (see lock.py)."""
 
     def __init__(self, path: Path, config: StoreConfig, *,
-                 lock_timeout: float = DEFAULT_TIMEOUT) -> None:
+                 lock_timeout: float = DEFAULT_TIMEOUT, key: StoreKey | None = None) -> None:
         """Use :meth:`open`, :meth:`init` or :meth:`open_or_init` instead."""
         self.path = path
         self.config = config
+        self.key = key  # an encrypted store's keys (None: a plain store)
         self.lock_timeout = lock_timeout
         self.chunker = make_chunker(config.chunker)
         self.packs_dir = path / "packs"
@@ -125,10 +135,13 @@ class Repository:
     @classmethod
     def init(cls, path: str | os.PathLike[str], *, chunker: ChunkerParams | None = None,
              compression_level: int = 1, pack_size: int = 128 << 20,
-             page_deltas: bool = True, lock_timeout: float = DEFAULT_TIMEOUT) -> Repository:
+             page_deltas: bool = True, lock_timeout: float = DEFAULT_TIMEOUT,
+             encrypt: Credentials | None = None, kdf: KdfParams | None = None) -> Repository:
         """Create a new store at ``path`` (absent or an empty directory) and open it.
 
-        ``page_deltas=False`` stores every new chunk whole (as format 1 did)."""
+        ``page_deltas=False`` stores every new chunk whole (as format 1 did). ``encrypt``
+        (a password and/or key file) makes an encrypted store, its first key slot opened by
+        them (``kdf``: the password's Argon2id parameters)."""
         root = Path(path).expanduser()
         if (root / "config").exists():
             raise StoreExists(f"a store already exists at {root}")
@@ -137,8 +150,14 @@ class Repository:
         fsutil.make_private_dir(root)
         for sub in ("packs", "commits", "refs", "tmp"):
             fsutil.make_private_dir(root / sub)
+        key = None
+        if encrypt is not None:
+            from .local_crypto import init_keys  # keys and crypto only where needed
+
+            key = init_keys(root, encrypt, label="init", kdf=kdf).key
         config = StoreConfig(uuid.uuid4().hex, chunker or ChunkerParams(), compression_level,
-                             pack_size=pack_size, page_deltas=page_deltas)
+                             pack_size=pack_size, page_deltas=page_deltas,
+                             encrypted=key is not None)
         StoreConfig.from_json(config.to_json())  # validate before writing
         tmp = fsutil.temp_name(root, "config")
         fd = fsutil.open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
@@ -154,14 +173,16 @@ class Repository:
         finally:
             os.unlink(tmp)
         fsutil.fsync_dir(root)
-        repo = cls(root, config, lock_timeout=lock_timeout)
+        repo = cls(root, config, lock_timeout=lock_timeout, key=key)
         repo.index.commit_count()  # create the index file now
         return repo
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str], *,
-             lock_timeout: float = DEFAULT_TIMEOUT) -> Repository:
-        """Open an existing store. A missing index is rebuilt from the packs."""
+    def open(cls, path: str | os.PathLike[str], *, lock_timeout: float = DEFAULT_TIMEOUT,
+             credentials: Credentials | None = None) -> Repository:
+        """Open an existing store. A missing index is rebuilt from the packs. An encrypted
+        store is unlocked with ``credentials`` (default: from the environment); a wrong or
+        missing key is StoreWrongKey."""
         root = Path(path).expanduser()
         try:
             data = (root / "config").read_bytes()
@@ -169,7 +190,14 @@ class Repository:
             raise StoreNotFound(f"no infinijup store at {root}") from None
         except NotADirectoryError:
             raise StoreNotFound(f"no infinijup store at {root}") from None
-        repo = cls(root, StoreConfig.from_json(data), lock_timeout=lock_timeout)
+        config = StoreConfig.from_json(data)
+        key = None
+        if config.encrypted:
+            from .keys import Credentials
+            from .local_crypto import open_keys
+
+            key = open_keys(root, credentials or Credentials.from_env()).key
+        repo = cls(root, config, lock_timeout=lock_timeout, key=key)
         if not repo.index_path.exists():
             rebuild_index(repo)
         return repo
@@ -178,20 +206,20 @@ class Repository:
     def open_or_init(cls, path: str | os.PathLike[str], **kwargs: Any) -> Repository:
         """Open the store at ``path``, creating it first if there is none."""
         try:
-            return cls.open(path, **{k: v for k, v in kwargs.items() if k == "lock_timeout"})
+            return cls.open(path, **_open_args(kwargs))
         except StoreNotFound:
             pass
         try:
-            return cls.init(path, **kwargs)
+            return cls.init(path, **{k: v for k, v in kwargs.items() if k != "credentials"})
         except StoreExists:
-            return cls.open(path, **{k: v for k, v in kwargs.items() if k == "lock_timeout"})
+            return cls.open(path, **_open_args(kwargs))
 
     @property
     def index(self) -> Index:
         """The SQLite index (opened on first use)."""
         with self._index_lock:
             if self._index is None:
-                self._index = Index(self.index_path)
+                self._index = Index(self.index_path, key=self.key)
             return self._index
 
     def close(self) -> None:
@@ -309,17 +337,23 @@ class Repository:
             draft = Commit("", tuple(parents), tree_id, time.time(), message, metadata, thread,
                            stats)
             body = encode_commit(draft)
-            commit = Commit(hash_bytes(body).hex(), draft.parents, tree_id, draft.created,
+            commit = Commit(self.object_id(body).hex(), draft.parents, tree_id, draft.created,
                             message, json.loads(canonical_json(metadata)), thread, stats)
-            fsutil.atomic_write(self._commit_path(commit.id), body, tmp_dir=self.tmp_dir)
+            data = layout.commit_file_bytes(self.key, commit.id, body)
+            fsutil.atomic_write(self._commit_path(commit.id), data, tmp_dir=self.tmp_dir)
             crashpoint("after_commit")
-            self.index.add_commits([(commit, body)])
+            self.index.add_commits([(commit, data)])
             crashpoint("before_ref")
             self._write_ref(thread, commit.id)
             crashpoint("after_ref")
         return commit
 
     # -- reading ---------------------------------------------------------------------------
+
+    def object_id(self, data: bytes | memoryview) -> bytes:
+        """The id of an object whose plaintext is ``data``: its BLAKE3 (keyed, in an
+        encrypted store)."""
+        return hash_bytes(data) if self.key is None else self.key.object_id(data)
 
     def read_object(self, oid: bytes) -> bytes:
         """The verified plaintext of object ``oid`` (raises ObjectMissing/ChecksumMismatch)."""
@@ -354,12 +388,10 @@ class Repository:
 
     def _load_commit(self, commit_id: str) -> Commit:
         try:
-            body = self._commit_path(commit_id).read_bytes()
+            data = self._commit_path(commit_id).read_bytes()
         except FileNotFoundError:
             raise ObjectMissing(f"commit {commit_id} is missing") from None
-        if hash_bytes(body).hex() != commit_id:
-            raise ChecksumMismatch(f"commit {commit_id}: checksum mismatch")
-        return decode_commit(commit_id, body)
+        return decode_commit(commit_id, layout.commit_body(self.key, commit_id, data))
 
     def _commit_path(self, commit_id: str) -> Path:
         return self.commits_dir / commit_id[:2] / commit_id
@@ -429,11 +461,16 @@ class Repository:
         for f in sorted(self.refs_dir.iterdir()):
             if f.name.startswith("."):
                 continue
+            if self.key is not None:
+                got = self._open_ref(f.name)
+                if got is not None:
+                    out[got[0]] = got[1]
+                continue
             name = urllib.parse.unquote(f.name)
             tip = self._read_ref(name)
             if tip is not None:
                 out[name] = tip
-        return out
+        return out if self.key is None else dict(sorted(out.items()))
 
     def set_thread(self, name: str, commit_id: str, *, expected: str | None = UNSET) -> None:
         """Point thread ``name`` at ``commit_id`` (any ref); CAS against ``expected`` if given
@@ -461,9 +498,29 @@ class Repository:
             fsutil.unlink_durable(self._ref_path(name))
 
     def _ref_path(self, name: str) -> Path:
+        if self.key is not None:  # the thread's name is sealed inside, not the file's name
+            return self.refs_dir / self.key.token("ref", name.encode())
         return self.refs_dir / urllib.parse.quote(name, safe="")
 
+    def _open_ref(self, file_name: str) -> tuple[str, str] | None:
+        """(thread, tip) of the sealed ref file ``file_name`` (an encrypted store's)."""
+        assert self.key is not None
+        try:
+            data = (self.refs_dir / file_name).read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            name, _, tip = self.key.open_named("ref", file_name, data).decode().partition("\n")
+        except (CorruptObject, UnicodeDecodeError) as exc:
+            raise CorruptObject(f"ref file {file_name} is damaged: {exc}") from None
+        if not is_hex_id(tip) or self.key.token("ref", name.encode()) != file_name:
+            raise CorruptObject(f"ref file {file_name} is damaged")
+        return name, tip
+
     def _read_ref(self, name: str) -> str | None:
+        if self.key is not None:
+            got = self._open_ref(self._ref_path(name).name)
+            return got[1] if got else None
         try:
             text = self._ref_path(name).read_text().strip()
         except FileNotFoundError:
@@ -473,8 +530,11 @@ class Repository:
         return text
 
     def _write_ref(self, name: str, commit_id: str) -> None:
-        fsutil.atomic_write(self._ref_path(name), (commit_id + "\n").encode(),
-                            tmp_dir=self.tmp_dir)
+        path = self._ref_path(name)
+        data = (commit_id + "\n").encode()
+        if self.key is not None:
+            data = self.key.seal_named("ref", path.name, f"{name}\n{commit_id}".encode())
+        fsutil.atomic_write(path, data, tmp_dir=self.tmp_dir)
 
     # -- maintenance (see the module docs for checkout, check, gc and rebuild_index) ------
 
@@ -505,6 +565,12 @@ class Repository:
             "logical_bytes": logical,
             "dedup_ratio": round(logical / pack_bytes, 3) if pack_bytes else None,
         }
+
+
+def _open_args(kwargs: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in kwargs.items() if k == "lock_timeout"}
+    creds = kwargs.get("credentials") or kwargs.get("encrypt")
+    return {**out, "credentials": creds} if creds is not None else out
 
 
 def _valid_thread_name(name: str) -> bool:

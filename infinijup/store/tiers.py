@@ -36,7 +36,7 @@ from .lock import FileLock
 from .objects import Commit
 from .packs import DELTA
 from .reader import ObjectReader
-from .remote import PullProgress, PullReport, fetch_commit_data
+from .remote import PullProgress, PullReport, fetch_commit_data, refuse_encrypted_store
 from .remote_only import mark_remote_only, remote_only
 from .remote_repo import RemoteRepo, open_remote
 from .repository import Repository
@@ -93,6 +93,7 @@ def evict(repo: Repository, remote: RemoteRepo | str, budget: int, *,
     before = store_bytes(repo)
     if before <= budget:
         return EvictionReport(budget, before, before)
+    refuse_encrypted_store(repo, "eviction to a remote")
     remote = remote if isinstance(remote, RemoteRepo) else open_remote(remote)
     url = str(remote.url)
     safe = safely_remote(repo, remote, manifests)  # remote calls before the lock

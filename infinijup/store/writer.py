@@ -152,6 +152,8 @@ class Writer:
         self._written_lock = threading.Lock()
         self._buffers: list[bytearray] = []  # recycled read buffers
         self._zero_ids: dict[int, bytes] = {}
+        self._key = repo.key  # an encrypted store's: keyed ids, payloads sealed
+        self._id = hash_bytes if self._key is None else self._key.object_id
         self._reader: ObjectReader | None = None  # reads parents' chunks for deltas
         self._closed = False
         cfg = repo.config
@@ -281,7 +283,7 @@ class Writer:
         ids, total = _StreamIngest(self, src, bmap).run()
         self.stats.logical_bytes += total
         body = encode_blob(total, ids)
-        blob_id = hash_bytes(body)
+        blob_id = self._id(body)
         self._put_meta(BLOB, blob_id, body)
         return Blob(blob_id.hex(), total)
 
@@ -325,7 +327,7 @@ class Writer:
         start, n = 0, len(ids)
         while start < n:
             if self._pack is None:
-                self._pack = PackWriter(self.repo.packs_dir, self.repo.tmp_dir)
+                self._pack = PackWriter(self.repo.packs_dir, self.repo.tmp_dir, key=self._key)
             pack = self._pack
             room = limit - pack.size
             end, used = start, 0
@@ -355,6 +357,8 @@ class Writer:
         if self.repo.index.known([oid]):
             return
         payload, comp = self._encode(body)
+        if self._key is not None:
+            payload = self._key.seal(oid, typ, comp, payload)
         self._put(typ, [oid], [payload], [comp], [len(body)])
 
     # -- chunks (worker threads) -----------------------------------------------------------
@@ -376,7 +380,7 @@ class Writer:
         """BLAKE3 of ``n`` zero bytes (computed once per length)."""
         oid = self._zero_ids.get(n)
         if oid is None:
-            oid = self._zero_ids[n] = hash_bytes(bytes(n))
+            oid = self._zero_ids[n] = self._id(bytes(n))
         return oid
 
     def _encode_chunks(self, chunks: list[memoryview]) -> tuple[list[Any], list[int]]:
@@ -435,7 +439,12 @@ class Writer:
                 e -= base
                 chunks.append(view[s:e])
                 s = e
-        if zero is None or not any(zero):
+        if self._key is not None:  # keyed ids (an encrypted store)
+            keyed = self._key.object_id
+            ids = [keyed(c) for c in chunks] if zero is None or not any(zero) else [
+                self._zero_id(len(c)) if z else keyed(c)
+                for c, z in zip(chunks, zero, strict=True)]
+        elif zero is None or not any(zero):
             ids = [blake3.blake3(c).digest() for c in chunks]
         else:  # all-zero chunks: their BLAKE3 is known (one per length), skip hashing them
             zid = self._zero_id
@@ -460,6 +469,10 @@ class Writer:
                 enc[i] = (payload, DELTA, len(by_id[i]))
             payloads, comps, raws = (list(col) for col in zip(*(enc[i] for i in fresh),
                                                               strict=True))
+        if self._key is not None:  # sealed here, on the worker threads
+            seal = self._key.seal
+            payloads = [seal(i, CHUNK, c, p) for i, p, c in zip(fresh, payloads, comps,
+                                                                strict=True)]
         return ids, total, fresh, payloads, comps, raws
 
     def _deltas(self, bmap: BaseMap, ids: list[bytes], chunks: list[memoryview],
@@ -520,7 +533,7 @@ class Writer:
             else:
                 raise InvalidTree(f"entry {name!r}: unsupported value {type(value).__name__}")
         body = encode_tree(out)
-        tree_id = hash_bytes(body)
+        tree_id = self._id(body)
         self._put_meta(TREE, tree_id, body)
         return tree_id.hex(), total
 

@@ -9,14 +9,25 @@ ids in the plain store's packs (the control) finds nothing in the sealed copies.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import blake3
 import pytest
-from conftest import random_bytes
+from conftest import random_bytes, subprocess_env
 
 from infinijup.store import Repository
-from infinijup.store.errors import CorruptObject, RemoteKeyError, StoreWrongKey
+from infinijup.store.check import check
+from infinijup.store.checkout import checkout_dir
+from infinijup.store.errors import (
+    ChecksumMismatch,
+    CorruptObject,
+    RemoteError,
+    RemoteKeyError,
+    StoreWrongKey,
+)
+from infinijup.store.gc import gc
 from infinijup.store.keys import Credentials, KdfParams
 from infinijup.store.layout import pack_files, read_packs
 from infinijup.store.local_crypto import (
@@ -30,7 +41,8 @@ from infinijup.store.local_crypto import (
     open_keys,
     remove_key,
 )
-from infinijup.store.packs import DELTA, decode_payload, read_pack_header
+from infinijup.store.packs import DELTA, SEALED, decode_payload, read_pack_header
+from infinijup.store.remote import pull, push
 
 SECRET = "sk-live-PLANTED-local-4b1d9e3a7c5f2e80"
 FAST = KdfParams(time_cost=1, memory_kib=1024, parallelism=1)  # tests only
@@ -156,7 +168,7 @@ def test_sealed_objects_of_a_real_store_hide_it_and_round_trip(tmp_path: Path) -
     for i, (typ, comp, oid, raw, payload) in enumerate(objects):
         kid = key.object_id(_plain(payload, oid, comp, raw))
         body = key.seal(kid, typ, comp, payload)
-        assert len(body) == len(payload) + OVERHEAD
+        assert len(body) == len(payload) + OVERHEAD == len(payload) + SEALED
         (sealed_dir / f"{i:06d}").write_bytes(body)
         stored.append((typ, comp, kid, raw, oid))
     assert _scan(tmp_path / "enc", needles) == set()
@@ -219,3 +231,192 @@ def test_key_files_stay_private(tmp_path: Path) -> None:
     assert (tmp_path / "s" / "keys" / made.slot).stat().st_mode & 0o077 == 0
     with pytest.raises(Exception, match="has keys already"):
         init_keys(tmp_path / "s", Credentials.build(key_file=tmp_path / "k"))
+
+
+# -- an encrypted store ---------------------------------------------------------------------
+
+def _creds(tmp_path: Path, text: str = "laptop password") -> Credentials:
+    return _password(tmp_path / f"pw-{len(text)}-{text[:4]}", text)
+
+
+def _fill(repo: Repository, image: Path) -> list[tuple[str, bytes]]:
+    """Three snapshots of ``image`` on a thread named after the secret, the image changed a
+    little between them: (commit id, the image's bytes) of each."""
+    pages = image / "pages.img"
+    out = []
+    for step in range(3):
+        if step:
+            data = bytearray(pages.read_bytes())
+            for at in range(step * 4096, len(data), 97 * 4096):  # ~1% of the pages
+                data[at:at + 64] = bytes([step]) * 64
+            pages.write_bytes(bytes(data))
+        c = repo.commit_dir(image, thread=f"nb/{SECRET}", message=f"step {step} {SECRET}",
+                            metadata={"token": SECRET, "step": step})
+        out.append((c.id, pages.read_bytes()))
+    return out
+
+
+def test_encrypted_store_round_trip_and_dedup(tmp_path: Path) -> None:
+    creds = _creds(tmp_path)
+    repo = Repository.init(tmp_path / "store", pack_size=1 << 20, encrypt=creds, kdf=FAST)
+    snaps = _fill(repo, _image(tmp_path / "img"))
+    first = repo.get_commit(snaps[0][0])
+    repo.close()
+
+    repo = Repository.open(tmp_path / "store", credentials=creds)  # unlocked at open
+    try:
+        for i, (cid, data) in enumerate(snaps):
+            checkout_dir(repo, cid, tmp_path / f"out{i}")
+            assert (tmp_path / f"out{i}" / "pages.img").read_bytes() == data
+            assert (tmp_path / f"out{i}" / "open-file").read_text() == SECRET
+        # dedup: a snapshot after ~1% of the pages changed stores as few new chunks as a
+        # plain store does from the same images, a small part of the first
+        with Repository.init(tmp_path / "plain", pack_size=1 << 20) as plain:
+            plain_snaps = _fill(plain, _image(tmp_path / "img-plain"))
+            for (cid, _), (pid, _) in zip(snaps[1:], plain_snaps[1:], strict=True):
+                later, plain_later = repo.get_commit(cid), plain.get_commit(pid)
+                assert later.stats["new_chunks"] == plain_later.stats["new_chunks"]
+                assert later.stats["delta_chunks"] == plain_later.stats["delta_chunks"]
+                assert later.stats["new_chunks"] < first.stats["new_chunks"] // 4
+                assert later.stats["stored_bytes"] < first.stats["stored_bytes"] // 10
+        assert repo.threads() == {f"nb/{SECRET}": snaps[2][0]}
+        assert [c.id for c in repo.log(f"nb/{SECRET}")] == [c for c, _ in reversed(snaps)]
+        assert [c.id for c in repo.find_commits(token=SECRET)] == [c for c, _ in
+                                                                   reversed(snaps)]
+        assert [c.id for c in repo.find_commits(step=1, thread=f"nb/{SECRET}")] == [
+            snaps[1][0]]
+        assert repo.find_commits(token="another") == []
+        assert repo.resolve(snaps[0][0][:10]) == snaps[0][0]
+    finally:
+        repo.close()
+
+
+def test_nothing_under_an_encrypted_store_reveals_its_content(tmp_path: Path) -> None:
+    plain = Repository.init(tmp_path / "plain", pack_size=1 << 20)
+    _fill(plain, _image(tmp_path / "img-plain"))
+    needles = _needles(tmp_path / "img-plain", _objects(plain))
+    for cid in plain.index.commit_ids():
+        needles[f"commit {cid[:12]}"] = cid.encode()
+    needles["thread"] = f"nb/{SECRET}".encode()
+    plain.close()
+    found = _scan(tmp_path / "plain", needles)  # the control: the same scan finds them
+    assert {"secret", "blake3(secret)", "blake3(open-file)", "thread"} <= found
+    assert sum(w.startswith("id ") for w in found) > 10
+    assert any(w.startswith("commit ") for w in found)
+
+    repo = Repository.init(tmp_path / "enc", pack_size=1 << 20, encrypt=_creds(tmp_path),
+                           kdf=FAST)
+    _fill(repo, _image(tmp_path / "img-enc"))  # the same images, made the same way
+    assert (tmp_path / "img-enc" / "pages.img").read_bytes() == \
+        (tmp_path / "img-plain" / "pages.img").read_bytes()
+    repo.index.truncate_journal()
+    repo.close()
+    assert _scan(tmp_path / "enc", needles) == set()
+
+
+def test_wrong_or_removed_keys_are_refused(tmp_path: Path) -> None:
+    creds = _creds(tmp_path)
+    repo = Repository.init(tmp_path / "store", encrypt=creds, kdf=FAST)
+    cid = repo.commit_dir(_image(tmp_path / "img"), thread="nb").id
+    repo.close()
+    with pytest.raises(StoreWrongKey, match="no key slot"):
+        Repository.open(tmp_path / "store", credentials=_creds(tmp_path, "not it"))
+    with pytest.raises(StoreWrongKey, match="give its password"):
+        Repository.open(tmp_path / "store", credentials=Credentials())
+    key_file = tmp_path / "store.key"
+    opened = open_keys(tmp_path / "store", creds)
+    slot = add_key(tmp_path / "store", opened, Credentials.build(key_file=key_file), kdf=FAST)
+    by_file = open_keys(tmp_path / "store", Credentials.build(key_file=key_file))
+    remove_key(tmp_path / "store", opened.slot, by_file)
+    with pytest.raises(StoreWrongKey, match="no key slot"):  # its slot removed
+        Repository.open(tmp_path / "store", credentials=creds)
+    with Repository.open(tmp_path / "store",
+                         credentials=Credentials.build(key_file=key_file)) as repo:
+        assert repo.threads() == {"nb": cid} and by_file.slot == slot
+
+
+def test_a_flipped_byte_in_a_pack_is_refused_on_checkout(tmp_path: Path) -> None:
+    creds = _creds(tmp_path)
+    repo = Repository.init(tmp_path / "store", pack_size=1 << 20, encrypt=creds, kdf=FAST)
+    try:
+        cid = repo.commit_dir(_image(tmp_path / "img"), thread="nb").id
+        size, chunks = 0, []
+        for e in repo.get_tree(repo.get_commit(cid).tree):
+            if e.name == "pages.img":
+                size, chunks = repo.get_blob_chunks(e.id)
+        loc = repo.index.lookup(chunks[len(chunks) // 2])
+        assert size and loc is not None
+        path = tmp_path / "store" / "packs" / loc.pack[:2] / loc.pack
+        data = bytearray(path.read_bytes())
+        data[loc.offset + loc.length // 2] ^= 0x01
+        path.write_bytes(bytes(data))
+        with pytest.raises(ChecksumMismatch, match=chunks[len(chunks) // 2].hex()):
+            checkout_dir(repo, cid, tmp_path / "out")
+        assert not (tmp_path / "out").exists()
+        report = check(repo, read_data=True)
+        assert any(chunks[len(chunks) // 2].hex() in p for p in report.problems)
+    finally:
+        repo.close()
+
+
+def test_gc_check_and_rebuild_on_an_encrypted_store(tmp_path: Path) -> None:
+    creds = _creds(tmp_path)
+    repo = Repository.init(tmp_path / "store", pack_size=1 << 20, encrypt=creds, kdf=FAST)
+    try:
+        snaps = _fill(repo, _image(tmp_path / "img"))
+        other = repo.commit_dir(_image(tmp_path / "img2"), thread="other").id
+        assert check(repo, read_data=True).problems == []
+        repo.delete_thread(f"nb/{SECRET}")
+        report = gc(repo)
+        assert sorted(report.commits_removed) == sorted(c for c, _ in snaps)
+        assert report.packs_deleted or report.packs_repacked
+        after = check(repo, read_data=True)
+        assert after.problems == [] and after.commits == 1
+        checkout_dir(repo, other, tmp_path / "out")
+        assert (tmp_path / "out" / "pages.img").read_bytes() == \
+            (tmp_path / "img2" / "pages.img").read_bytes()
+    finally:
+        repo.close()
+    for suffix in ("", "-wal", "-shm"):
+        Path(str(tmp_path / "store" / "index.sqlite") + suffix).unlink(missing_ok=True)
+    with Repository.open(tmp_path / "store", credentials=creds) as repo:  # index rebuilt
+        assert [c.id for c in repo.find_commits(token=SECRET)] == []
+        assert repo.index.commit_ids() == [other]
+        assert check(repo, read_data=True).problems == []
+
+
+def test_push_and_pull_are_refused_with_the_reason(tmp_path: Path) -> None:
+    with Repository.init(tmp_path / "store", encrypt=_creds(tmp_path), kdf=FAST) as repo:
+        repo.commit_dir(_image(tmp_path / "img"), thread="nb")
+        for fn, args in ((push, ()), (pull, ("nb",))):
+            with pytest.raises(RemoteError, match="encrypted local store"):
+                fn(repo, "s3://nowhere/x", *args)
+
+
+def test_the_command_line_makes_and_opens_an_encrypted_store(tmp_path: Path) -> None:
+    pw = tmp_path / "pw"
+    pw.write_text("cli password\n")
+    store = str(tmp_path / "store")
+
+    def cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+        e = subprocess_env(**env)
+        e.pop("INFINIJUP_STORE_PASSWORD_FILE", None)
+        e.pop("INFINIJUP_STORE_KEY_FILE", None)
+        e.update(env)
+        return subprocess.run([sys.executable, "-m", "infinijup.store", "--store", store,
+                               *args], capture_output=True, text=True, env=e, timeout=120)
+
+    made = cli("init", "--encrypt", "--password-file", str(pw))
+    assert made.returncode == 0, made.stderr
+    with Repository.open(store, credentials=Credentials.build(password_file=pw)) as repo:
+        assert repo.config.encrypted and repo.config.version == 3
+        cid = repo.commit_dir(_image(tmp_path / "img"), thread="nb").id
+    ok = cli("threads", INFINIJUP_STORE_PASSWORD_FILE=str(pw))
+    assert ok.returncode == 0 and cid[:12] in ok.stdout, ok.stderr
+    none = cli("threads")
+    assert none.returncode == 2 and "[store_wrong_key]" in none.stderr
+    (tmp_path / "wrong").write_text("not it\n")
+    wrong = cli("log", INFINIJUP_STORE_PASSWORD_FILE=str(tmp_path / "wrong"))
+    assert wrong.returncode == 2 and "no key slot" in wrong.stderr
+    listed = cli("key", "list", store, INFINIJUP_STORE_PASSWORD_FILE=str(pw))
+    assert listed.returncode == 0 and "password" in listed.stdout, listed.stderr
