@@ -70,11 +70,15 @@ def _pool_on(torch, device: int, allocator):  # noqa: ANN001, ANN202
     if exchange is None:
         with torch.cuda.device(device):
             return torch.cuda.MemPool(allocator.allocator())
-    before = exchange(device)
+    before = exchange(device)  # without a context there, only PyTorch's "target" device
     try:
         return torch.cuda.MemPool(allocator.allocator())
     finally:
+        # back, and the target forgotten: exchanging back to the device CUDA already has
+        # current returns early and would leave the target set (every later allocation on
+        # the wrong card); set_device clears it, and does nothing else when already there
         exchange(before)
+        torch.cuda.set_device(before)
 
 
 ON_SHORT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_size_t, ctypes.c_int)

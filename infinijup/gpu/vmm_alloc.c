@@ -518,24 +518,33 @@ typedef struct {
     int next;
     int stop;
     int to_host; /* 1: out of the GPU into the file; 0: back from the file */
-    CUcontext ctx; /* the caller's: pinning needs a current context in the filler threads */
+    CUcontext ctx; /* the caller's, current again once the copy is over */
     pthread_mutex_t m;
     pthread_cond_t c;
 } Plan;
 
-/* CU_MEMHOSTREGISTER_PORTABLE (1): pinned for every context, so each GPU's copies of a piece
- * run at copy-engine speed; READ_ONLY (8) when the file is only read. */
-static unsigned int register_flags(int to_host) { return to_host ? 1u : 1u | 8u; }
+/* A piece is pinned in the context of the device that copies it (pinned memory is page-locked
+ * for the context that registered it; PORTABLE would map it into every context, and unpinning
+ * then costs several times as much with two GPUs); READ_ONLY (8) when the file is only read. */
+static unsigned int register_flags(int to_host) { return to_host ? 0u : 8u; }
+
+static void pin_piece(Piece *p, int to_host, int *current) {
+    if (*current != p->device && device_ctx[p->device]) {
+        cu.ctx_set_current(device_ctx[p->device]);
+        *current = p->device;
+    }
+    p->pinned = cu.host_register(p->page, p->span, register_flags(to_host)) == 0;
+}
 
 static void *fill_pieces(void *arg) {
     Plan *plan = arg;
-    if (plan->ctx) cu.ctx_set_current(plan->ctx);
+    int current = -1;
     for (;;) {
         int i = __atomic_fetch_add(&plan->next, 1, __ATOMIC_SEQ_CST);
         if (i >= plan->count || __atomic_load_n(&plan->stop, __ATOMIC_SEQ_CST)) return NULL;
         Span sp = {plan->piece[i].page, plan->piece[i].span, plan->to_host};
         populate_span(&sp);
-        plan->piece[i].pinned = cu.host_register(sp.base, sp.len, register_flags(plan->to_host)) == 0;
+        pin_piece(&plan->piece[i], plan->to_host, &current);
         pthread_mutex_lock(&plan->m);
         plan->piece[i].ready = 1;
         pthread_cond_broadcast(&plan->c);
@@ -590,6 +599,12 @@ static CUresult copy_pieces(char *base, int to_host, long long *moved) {
     Plan plan = {piece, count, 0, 0, to_host, 0, PTHREAD_MUTEX_INITIALIZER,
                  PTHREAD_COND_INITIALIZER};
     if (cu.ctx_get_current(&plan.ctx) != 0) plan.ctx = 0;
+    for (int i = 0; i < count; i++) /* every device's context, before the threads read them */
+        if (!context_of(piece[i].device)) {
+            free(piece);
+            return 201; /* CUDA_ERROR_INVALID_CONTEXT */
+        }
+    int current = -1; /* the device whose context this thread has made current */
     pthread_t threads[FILLERS];
     int started = 0;
     for (int t = 0; t < FILLERS && t < count; t++)
@@ -604,13 +619,15 @@ static CUresult copy_pieces(char *base, int to_host, long long *moved) {
         if (!piece[i].ready) { /* no filler thread could start: do its part here */
             Span sp = {piece[i].page, piece[i].span, to_host};
             populate_span(&sp);
-            piece[i].pinned =
-                cu.host_register(piece[i].page, piece[i].span, register_flags(to_host)) == 0;
+            pin_piece(&piece[i], to_host, &current);
         }
         double t2 = now_s();
-        if (!use_device(piece[i].device)) res = 201; /* CUDA_ERROR_INVALID_CONTEXT */
-        else res = to_host ? cu.dtoh(piece[i].host, piece[i].dev, piece[i].len)
-                           : cu.htod(piece[i].dev, piece[i].host, piece[i].len);
+        if (current != piece[i].device) {
+            cu.ctx_set_current(device_ctx[piece[i].device]);
+            current = piece[i].device;
+        }
+        res = to_host ? cu.dtoh(piece[i].host, piece[i].dev, piece[i].len)
+                      : cu.htod(piece[i].dev, piece[i].host, piece[i].len);
         double t3 = now_s();
         if (piece[i].pinned) cu.host_unregister(piece[i].page);
         piece[i].pinned = 0;
@@ -621,10 +638,13 @@ static CUresult copy_pieces(char *base, int to_host, long long *moved) {
         if (res == 0) *moved += (long long)piece[i].len;
     }
     __atomic_store_n(&plan.stop, 1, __ATOMIC_SEQ_CST);
-    if (plan.ctx) cu.ctx_set_current(plan.ctx); /* the caller's context, as it was */
     for (int t = 0; t < started; t++) pthread_join(threads[t], NULL);
     for (int i = 0; i < count; i++) /* pinned ahead of a copy that failed */
-        if (piece[i].pinned) cu.host_unregister(piece[i].page);
+        if (piece[i].pinned) {
+            cu.ctx_set_current(device_ctx[piece[i].device]);
+            cu.host_unregister(piece[i].page);
+        }
+    if (plan.ctx) cu.ctx_set_current(plan.ctx); /* the caller's context, as it was */
     free(piece);
     return res;
 }

@@ -1,0 +1,190 @@
+"""A model split over several GPUs against the same model on one (issue 33), side by side in
+one run, through a real Jupyter server, the helper and CRIU.
+
+The notebook builds a Llama-shaped model with random bf16 weights (``--shape``: about 27 GB
+for "13b"), on one card or split layer by layer over ``N`` cards with accelerate's
+``dispatch_model`` (what ``device_map="auto"`` does), and fills a KV cache with a forward pass
+over ``batch x context`` tokens. Then: a snapshot (pause, the segments' way out, a next cell
+sent while the kernel is held), a second snapshot after one MLP changed on the first and the
+last card, a restore to the first answer (hot tier) and a resume into a new kernel, each
+checked by sampled generation in deterministic mode (the draw must be the one made after the
+snapshot).
+
+    python3 bench/multi_gpu_bench.py --gpus 1 2            # on nvidia-h100-x2, ~8 minutes
+
+Prints a JSON line per row, then a table with the ratios of each row to the one-GPU row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import shutil
+import subprocess
+import tempfile
+import time
+
+from benchkit import GB, execute, make_base, start_helper, start_server, transposed_table
+from gpu_bench import restore_timed, segment_parts, snapshot_with_next_cell
+
+SHAPES = {  # hidden, intermediate, layers, heads, kv heads
+    "tiny": (512, 1376, 4, 8, 8),
+    "8b": (4096, 14336, 32, 32, 8),
+    "13b": (5120, 13824, 48, 40, 8),
+}
+
+BUILD = """
+import os, time, torch
+os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+torch.use_deterministic_algorithms(True)
+from transformers import LlamaConfig, LlamaForCausalLM
+_t = time.perf_counter()
+torch.manual_seed(0)
+cfg = LlamaConfig(hidden_size={hidden}, intermediate_size={inter}, num_hidden_layers={layers},
+                  num_attention_heads={heads}, num_key_value_heads={kv}, vocab_size=32000,
+                  max_position_embeddings=8192)
+torch.set_default_dtype(torch.bfloat16)
+with torch.device("cuda:0"):
+    model = LlamaForCausalLM(cfg).eval()
+torch.set_default_dtype(torch.float32)
+GPUS = {gpus}
+if GPUS > 1:
+    from accelerate import dispatch_model
+    n = cfg.num_hidden_layers
+    split = {{"model.embed_tokens": 0, "model.rotary_emb": 0, "model.norm": GPUS - 1,
+              "lm_head": GPUS - 1}}
+    split.update({{f"model.layers.{{i}}": i * GPUS // n for i in range(n)}})
+    model = dispatch_model(model, device_map=split)
+torch.cuda.empty_cache()
+prompt = torch.randint(0, 32000, ({batch}, {context}), device="cuda:0")
+with torch.no_grad():
+    cache = model(prompt, use_cache=True, logits_to_keep=1).past_key_values
+def sample():
+    torch.manual_seed(11)
+    with torch.no_grad():
+        out = model.generate(prompt[:2, -32:], do_sample=True, max_new_tokens=16, top_k=50,
+                             pad_token_id=0)
+    return out[:, -16:].tolist()
+for _d in range(GPUS):
+    torch.cuda.synchronize(_d)
+build_s = time.perf_counter() - _t
+cards = sorted({{p.device.index for p in model.parameters()}})
+live = [torch.cuda.memory_allocated(d) for d in range(GPUS)]
+"""
+CHANGE = ("with torch.no_grad():\n"
+          "    for _l in (model.model.layers[0], model.model.layers[-1]):\n"
+          "        _l.mlp.down_proj.weight.add_(1e-3)")
+NEXT_CELL = "[torch.cuda.synchronize(d) for d in range(GPUS)]; next_cell = 1"
+
+
+def row_for(gpus: int, shape: str, batch: int, context: int) -> dict:
+    hidden, inter, layers, heads, kv = SHAPES[shape]
+    row: dict = {"run": f"{shape} on {gpus} GPU" + ("s" if gpus > 1 else "")}
+    daemon = start_helper()
+    base = make_base()
+    store = tempfile.mkdtemp(prefix="ijbench-store-", dir="/var/tmp")
+    server = start_server(base, daemon.socket_path, store,
+                          {"busy_timeout": 900.0, "answer_timeout": 900.0,
+                           "hot_tier_bytes": 400 * GB})
+    try:
+        kernel_id = server.open_session("split.ipynb")
+        kernel = server.kernel_client(kernel_id)
+        execute(kernel.kc, BUILD.format(hidden=hidden, inter=inter, layers=layers, heads=heads,
+                                        kv=kv, gpus=gpus, batch=batch, context=context),
+                timeout=1800)
+        ev = kernel.evaluate(build="build_s", live="live", cards="cards")
+        live = ast.literal_eval(ev["live"])
+        row.update(build_s=float(ev["build"]), cards=str(ev["cards"]),
+                   live_gb=sum(int(x) for x in live) / GB,
+                   live_per_card_gb=" / ".join(f"{int(x) / GB:.1f}" for x in live))
+
+        snap = snapshot_with_next_cell(server, kernel, kernel_id, "split", NEXT_CELL)
+        stats = snap["body"]["stats"]
+        seg = stats.get("gpu_segments") or {}
+        row.update(pause_s=stats["pause_s"], quiesce_s=stats["quiesce_s"],
+                   next_cell_s=snap["next_cell_s"], durable_s=snap["durable_s"],
+                   segments_gb=seg.get("bytes", 0) / GB, segments_s=seg.get("seconds"),
+                   segments_parts=segment_parts(seg), image_gb=stats["image_bytes"] / GB,
+                   stored_gb=stats["stored_bytes"] / GB)
+        commit = snap["body"]["commit"]
+        expect = kernel.evaluate(s="sample()")["s"]
+
+        execute(kernel.kc, CHANGE, timeout=600)
+        second = snapshot_with_next_cell(server, kernel, kernel_id, "one MLP per end card",
+                                         NEXT_CELL)
+        s2 = second["body"]["stats"]
+        seg2 = s2.get("gpu_segments") or {}
+        row.update(second_pause_s=s2["pause_s"], second_quiesce_s=s2["quiesce_s"],
+                   second_segments_mb=seg2.get("bytes", 0) / 1e6,
+                   second_stored_mb=s2["stored_bytes"] / 1e6)
+
+        hot = restore_timed(server, kernel, kernel_id, commit, expect)
+        row.update(restore_hot_s=hot["s"], restore_phases=json.dumps(
+            {k: hot["phases"][k] for k in ("images", "restore", "cuda_restore", "answer_s")
+             if k in hot["phases"]}))
+
+        kernel.kc.stop_channels()  # the kernel ends: its pids and cards are free again
+        code, body = server.request("DELETE", f"/api/kernels/{kernel_id}")
+        assert code == 204, body
+        t0 = time.perf_counter()
+        code, body = server.request("POST", "/infinijup/resume",
+                                    {"path": "split.ipynb", "commit": commit}, timeout=3600)
+        assert code == 200, body
+        other = server.kernel_client(body["kernel_id"])
+        row["resume_s"] = time.perf_counter() - t0
+        drawn = other.evaluate(s="sample()")["s"]
+        assert drawn == expect, f"the resumed kernel drew {drawn}, not {expect}"
+        row["sampling_equal"] = "after restore and resume"
+        other.kc.stop_channels()
+    finally:
+        server.stop()
+        daemon.stop()
+        shutil.rmtree(daemon.base, ignore_errors=True)  # its work dir: dumps, the hot tier
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(store, ignore_errors=True)
+    return row
+
+
+METRICS = [("cards", "cards holding the model"), ("live_gb", "live GPU memory (GB)"),
+           ("live_per_card_gb", "per card (GB)"), ("build_s", "build (s)"),
+           ("pause_s", "pause (s)"), ("quiesce_s", "quiesce (s)"),
+           ("next_cell_s", "next cell answered (s)"), ("segments_gb", "segments out (GB)"),
+           ("segments_s", "segments out (s)"),
+           ("segments_parts", "hash / populate / pin / copy / unpin (s)"),
+           ("durable_s", "durable commit (s)"), ("image_gb", "image (GB)"),
+           ("stored_gb", "stored (GB)"), ("second_pause_s", "second snapshot: pause (s)"),
+           ("second_segments_mb", "second: segments copied (MB)"),
+           ("second_stored_mb", "second: stored (MB)"),
+           ("restore_hot_s", "restore to first answer, hot (s)"),
+           ("restore_phases", "restore phases"), ("resume_s", "resume into a new kernel (s)"),
+           ("sampling_equal", "sampled generation equal")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gpus", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--shape", default="13b", choices=sorted(SHAPES))
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--context", type=int, default=2048)
+    args = ap.parse_args()
+    rows = []
+    for gpus in args.gpus:
+        row = row_for(gpus, args.shape, args.batch, args.context)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout.strip().replace("\n", "; ")
+    print(f"\nGPUs: {smi}; {time.strftime('%Y-%m-%d')}; one run per row\n")
+    print(transposed_table(rows, [r["run"] for r in rows], METRICS))
+    one = next((r for r in rows if r["run"].endswith("on 1 GPU")), None)
+    for r in rows:
+        if one is None or r is one:
+            continue
+        print(f"\n{r['run']} / {one['run']}: pause {r['pause_s'] / one['pause_s']:.2f}x, "
+              f"restore to first answer {r['restore_hot_s'] / one['restore_hot_s']:.2f}x "
+              "(aim: within 1.3x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""Kernels that span several GPUs (issue 33), through the real server, helper and CRIU, on a
+machine with two or more NVIDIA GPUs; skipped with the reason elsewhere.
+
+A kernel holding tensors and CUDA generators on two cards, a copy of one card's tensor on the
+other and a model split over both (accelerate's dispatch, as ``device_map="auto"`` makes it):
+snapshot, restore, a second snapshot that copies only the change on each card, resume into a
+new kernel, release and wake, sampled generation the same after each; a live NCCL communicator
+refused with the reason, the kernel running on."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+from kernelkit import Notebook, needs_helper
+from test_resume import attach
+
+HAS_GPU = os.path.exists("/dev/nvidiactl") and shutil.which("nvidia-smi") is not None
+
+
+def gpu_count() -> int:
+    if not HAS_GPU:
+        return 0
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False)
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+GPUS = gpu_count()
+pytestmark = [
+    needs_helper,
+    pytest.mark.skipif(GPUS < 2, reason=f"needs 2 NVIDIA GPUs, this machine has {GPUS} "
+                       "(runs on the device's nvidia-h100-x2)"),
+    pytest.mark.timeout(900),
+]
+
+TWO_CARDS = """
+import hashlib, os, torch
+os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # before the first matmul (FINDINGS)
+torch.use_deterministic_algorithms(True)
+gens = [torch.Generator(device=f"cuda:{d}").manual_seed(100 + d) for d in range(2)]
+ts = [torch.randn(4096, 4096, device=f"cuda:{d}", generator=gens[d]) for d in range(2)]
+ballast = [torch.randn(256 * 2**20, device=f"cuda:{d}") for d in range(2)]  # 1 GiB each
+peer = ts[0].to("cuda:1")  # card 0's tensor copied onto card 1
+def digest(x):
+    return hashlib.sha256(x.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+def state():
+    return [digest(t) for t in ts] + [digest(peer), float(ballast[0][::4096].sum()),
+                                      float(ballast[1][::4096].sum())]
+def draws():
+    return [torch.randn(8, device=f"cuda:{d}", generator=gens[d]).tolist() for d in range(2)]
+def across():  # copies between the cards, one of them strided (read through peer access)
+    return digest(ts[0].t().to("cuda:1") @ peer) + digest((ts[1] @ peer).to("cuda:0"))
+
+from accelerate import dispatch_model
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(7)
+cfg = LlamaConfig(hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=8, vocab_size=1000)
+model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+split = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0,
+         "model.layers.1": 0, "model.layers.2": 1, "model.layers.3": 1, "model.norm": 1,
+         "lm_head": 1}
+model = dispatch_model(model, device_map=split)
+prompt = torch.randint(0, 1000, (2, 12), device="cuda:0")
+def sample():
+    torch.manual_seed(11)
+    with torch.no_grad():
+        out = model.generate(prompt, do_sample=True, max_new_tokens=24, top_k=50,
+                             pad_token_id=0)
+    return out.tolist()
+cards = sorted({p.device.index for p in model.parameters()})
+"""
+NEXT = "(state(), draws(), across(), sample())"
+
+
+async def test_two_cards_snapshot_restore_and_copy_only_the_change(notebook):
+    nb = notebook
+    await nb.execute(TWO_CARDS, timeout=600)
+    assert await nb.value("cards") == [0, 1]
+    before = await nb.value("state()")
+    snap = await nb.snapshot(message="two cards")
+    segments = snap["stats"].get("gpu_segments", {})
+    assert segments.get("bytes", 0) > 2 * 2**30, snap["stats"]  # both cards' through the arena
+    meta = (await nb.history())["commits"][0]["metadata"]
+    gpu = meta["gpu"]
+    assert len(gpu["vram_bytes"]) == 2, gpu  # the kernel held memory on both cards
+    links = gpu["fingerprint"].get("links") or []
+    assert any({k["a"], k["b"]} == {0, 1} for k in links), gpu["fingerprint"]
+    print(f"\nlinks: {links}\nfirst snapshot: {segments}")
+    expected = await nb.value(NEXT)
+
+    # a small change on each card: the next snapshot copies only the changed blocks (the
+    # hashes are those of the last snapshot into the same arena file: no restore between)
+    await nb.execute("ts[0][0, :16] += 1; ts[1][7, :16] += 1")
+    changed = await nb.value("state()")
+    second = await nb.snapshot(message="a row on each card")
+    moved = second["stats"]["gpu_segments"]
+    print(f"second snapshot: {moved}, stored {second['stats']['stored_bytes']} bytes")
+    # a few 2 MiB blocks, and what became live since (the deterministic cuBLAS workspace of
+    # each card's first matmul, 32 MiB each): not the 2 GiB of the first
+    assert 0 < moved["bytes"] <= 128 * 2**20, moved
+    assert second["stats"]["stored_bytes"] < 256 * 2**20, second["stats"]
+
+    await nb.execute("[t.zero_() for t in ts]; peer.zero_(); [b.zero_() for b in ballast]")
+    await nb.restore(snap["commit"])
+    assert await nb.value("state()") == before
+    assert await nb.value(NEXT) == expected
+    await nb.restore(second["commit"])
+    assert await nb.value("state()") == changed
+
+
+async def test_release_and_wake_then_resume_into_a_new_kernel(notebook, jp_serverapp):
+    import asyncio
+
+    from infinijup.gpu.room import held_by_tree
+
+    nb = notebook
+    await nb.execute(TWO_CARDS, timeout=600)
+    snap = await nb.snapshot(message="two cards")
+    expected = await nb.value(NEXT)
+
+    # release: both cards' memory leaves through the arena, the next cell brings it back
+    while jp_serverapp.kernel_manager.get_kernel(nb.kernel_id).execution_state != "idle":
+        await asyncio.sleep(0.01)
+    now = await nb.value("state()")
+    r = await nb.post("release", {"kernel_id": nb.kernel_id})
+    assert r.code == 200, r.body
+    released = json.loads(r.body)
+    # (the arena file holds the snapshot just taken: only what changed since is copied)
+    assert released["state"] == "released" and released["gpu"]["arena"]["bytes"] > 0, released
+    assert "fallback" not in released["gpu"]["arena"], released
+    root = jp_serverapp.kernel_manager.get_kernel(nb.kernel_id).provisioner.root_pid
+    assert sum(held_by_tree(root).values()) == 0
+    assert await nb.value("state()") == now
+    held = held_by_tree(root)
+    assert len([b for b in held.values() if b > 2**30]) == 2, held
+
+    # the kernel ends (its pids and both cards free); the snapshot resumes in a new kernel
+    await nb.fetch("api", "kernels", nb.kernel_id, method="DELETE")
+    nb.kernel_id = ""
+    r = await nb.post("resume", {"path": nb.path, "commit": snap["commit"]})
+    assert r.code == 200, r.body
+    other = await attach(Notebook(nb.fetch, nb.ws_fetch, nb.path), json.loads(r.body)["kernel_id"])
+    try:
+        assert await other.value(NEXT) == expected
+    finally:
+        await other.close()
+
+
+NCCL = """
+import torch, torch.distributed as dist
+dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                        device_id=torch.device("cuda:0"))
+x = torch.ones(1 << 20, device="cuda:0")
+dist.all_reduce(x)
+"""
+
+
+async def test_a_live_nccl_communicator_is_refused_and_the_kernel_runs_on(notebook):
+    nb = notebook
+    await nb.execute(NCCL, timeout=300)
+    r = await nb.post("snapshot", {"kernel_id": nb.kernel_id})
+    assert r.code == 422, r.body
+    assert json.loads(r.body)["reason"] == "live_nccl", r.body
+    assert (await nb.history())["commits"] == []
+    await nb.execute("dist.all_reduce(x)")  # the communicator still works
+    assert await nb.value("float(x[0])") == 1.0
+    await nb.execute("dist.destroy_process_group()")
+    snap = await nb.snapshot(message="after the group")
+    await nb.execute("x.zero_()")
+    await nb.restore(snap["commit"])
+    assert await nb.value("float(x.sum())") == float(1 << 20)
+
+
+async def test_a_kernel_on_one_card_holds_nothing_on_the_others(notebook, jp_serverapp):
+    """The allocator is installed on every card (one pool each) without a CUDA context on the
+    cards the kernel never touches: on a shared machine a kernel costs only the cards it uses.
+    The current device stays the first."""
+    nb = notebook
+    await nb.execute("import torch; t = torch.ones(1 << 28, device='cuda')")
+    assert await nb.value("(torch.cuda.current_device(), t.device.index)") == (0, 0)
+    assert await nb.value("torch._C._cuda_hasPrimaryContext(1)") is False
+    from infinijup.gpu.room import held_by_tree
+
+    root = jp_serverapp.kernel_manager.get_kernel(nb.kernel_id).provisioner.root_pid
+    assert len(held_by_tree(root)) == 1, held_by_tree(root)
+    snap = await nb.snapshot(message="one card")
+    assert snap["stats"]["gpu_segments"]["bytes"] >= 1 << 30
+    await nb.execute("t.zero_()")
+    await nb.restore(snap["commit"])
+    assert await nb.value("float(t.sum())") == float(1 << 28)
