@@ -5,14 +5,19 @@ websocket, as a user meets them: the time of the first answered cell after
 - a hibernation (snapshot to the store, process ended; the cell restores it),
 
 for CPU kernels holding 0.1 / 1 / 4 GiB of array data and GPU kernels holding 2 / 8 / 20 GB of
-VRAM. Also the time the hibernation and the release themselves take. GPU kernels are measured
-once per release path, side by side in one run (``--paths``): ``arena`` (PyTorch's segments
-through the kernel's VMM arena, the driver's checkpoint for the rest: the default) and ``driver``
-(the driver's checkpoint for everything). Prints a markdown table (medians of --repeat). Run as
-root with CRIU and the venv in place:
+VRAM. Also the time the hibernation and the release themselves take. CPU kernels are measured
+once per restore mode, side by side in one run (``--restore whole lazy``: the server's
+``lazy_restore`` off or on, issue 32); a lazy wake also gives the seconds until the kernel's
+memory was all back (the helper's ``resident_s``, from the page daemon's start) and, with
+``INFINIJUP_BENCH_VERBOSE=1``, where each wake's time went (the server logs its phases). GPU
+kernels are measured once per release path, side by side in one run (``--paths``): ``arena``
+(PyTorch's segments through the kernel's VMM arena, the driver's checkpoint for the rest: the
+default) and ``driver`` (the driver's checkpoint for everything). Prints a markdown table
+(medians of --repeat). Run as root with CRIU and the venv in place:
 
     python bench/wake_bench.py [--cpu-mib 100 1024 4096] [--gpu-gb 2 8 20] [--repeat 3]
                                [--paths arena driver] [--no-hibernate]
+                               [--restore whole lazy]
 """
 
 from __future__ import annotations
@@ -72,6 +77,39 @@ def post(server: ServerProcess, route: str, kernel_id: str) -> float:
     return took
 
 
+def pages(server: ServerProcess, kernel_id: str) -> dict | None:
+    code, body = server.request("GET", f"/infinijup/status?kernel_id={kernel_id}")
+    if code != 200:
+        raise RuntimeError(f"status: {code} {body}")
+    return body.get("pages")
+
+
+def resident_s(server: ServerProcess, kernel_id: str) -> float | None:
+    """After a lazy wake: wait until the kernel's memory is all back (the next hibernation
+    would otherwise read it through the page daemon); the daemon's seconds, or None (whole)."""
+    deadline = time.monotonic() + 600  # hang guard
+    while (now := pages(server, kernel_id)) is not None and now["state"] == "streaming":
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"pages still streaming: {now}")
+        time.sleep(0.02)
+    if now is not None and now["state"] != "resident":
+        raise RuntimeError(f"the pages failed: {now}")
+    return now["resident_s"] if now is not None else None
+
+
+WOKE = "infinijup: kernel "
+
+
+def wake_phases(server: ServerProcess, kernel_id: str) -> list[dict]:
+    """The restore phases of each wake of this kernel, from the server's log."""
+    out = []
+    for line in server.log_path.read_text(errors="replace").splitlines():
+        at = line.find(WOKE + kernel_id + " woke from ")
+        if at >= 0:
+            out.append(json.loads(line[line.index(": ", at + len(WOKE)) + 2:]))
+    return out
+
+
 async def one_size(server: ServerProcess, kind: str, nbytes: int, repeat: int,
                    hibernate: bool = True) -> dict:
     kernel_id = server.open_session(f"bench-{kind}-{nbytes}-{uuid.uuid4().hex[:6]}.ipynb")
@@ -85,7 +123,8 @@ async def one_size(server: ServerProcess, kind: str, nbytes: int, repeat: int,
                 f"generator=g)\ntorch.cuda.synchronize()")
     await run_cell(ws, fill)
     times: dict[str, list[float]] = {k: [] for k in
-                                     ("release", "release_wake", "hibernate", "hibernate_wake")}
+                                     ("release", "release_wake", "hibernate", "hibernate_wake",
+                                      "resident")}
     for _ in range(repeat):
         if kind == "gpu":
             times["release"].append(post(server, "release", kernel_id))
@@ -93,7 +132,12 @@ async def one_size(server: ServerProcess, kind: str, nbytes: int, repeat: int,
         if hibernate:
             times["hibernate"].append(post(server, "hibernate", kernel_id))
             times["hibernate_wake"].append(await run_cell(ws, "1"))
+            if (back := resident_s(server, kernel_id)) is not None:
+                times["resident"].append(back)
     ws.close()
+    if os.environ.get("INFINIJUP_BENCH_VERBOSE"):
+        for woke in wake_phases(server, kernel_id):
+            print(f"wake: {json.dumps(woke)}", flush=True)
     server.request("DELETE", f"/api/kernels/{kernel_id}")
     return {k: statistics.median(v) if v else None for k, v in times.items()}
 
@@ -101,15 +145,17 @@ async def one_size(server: ServerProcess, kind: str, nbytes: int, repeat: int,
 async def main_async(args) -> None:
     rows = []
     with helper_in_base() as (base, helper):
-        runs = [("cpu", m * 2**20, f"CPU {m} MiB", None) for m in args.cpu_mib] + \
-               [("gpu", int(g * 10**9), f"GPU {g} GB, {path}", path)
+        runs = [("cpu", m * 2**20, f"CPU {m} MiB, {mode}", None, mode)
+                for m in args.cpu_mib for mode in args.restore] + \
+               [("gpu", int(g * 10**9), f"GPU {g} GB, {path}", path, "whole")
                 for path in args.paths for g in args.gpu_gb]
-        for n, (kind, nbytes, label, path) in enumerate(runs):
-            # one server per release path, the same helper and machine for all
+        for n, (kind, nbytes, label, path, mode) in enumerate(runs):
+            # one server per release path and restore mode, the same helper for all
             server = ServerProcess(base / f"server-{n}", helper.socket_path,
                                    str(base / "store"), base / "notebooks",
                                    manager_config={"gpu_release_through_arena":
-                                                   path != "driver"})
+                                                   path != "driver",
+                                                   "lazy_restore": mode == "lazy"})
             server.start()
             try:
                 r = await one_size(server, kind, nbytes, args.repeat, not args.no_hibernate)
@@ -121,7 +167,8 @@ async def main_async(args) -> None:
     print(markdown_table(rows, [("kernel", "kernel"), ("release", "GPU release"),
                                 ("release_wake", "first cell after release"),
                                 ("hibernate", "hibernate (snapshot + end)"),
-                                ("hibernate_wake", "first cell after hibernate")]))
+                                ("hibernate_wake", "first cell after hibernate"),
+                                ("resident", "memory all back (lazy)")]))
 
 
 def main() -> None:
@@ -132,6 +179,8 @@ def main() -> None:
     p.add_argument("--paths", nargs="*", default=["arena", "driver"],
                    choices=["arena", "driver"], help="GPU release paths to compare")
     p.add_argument("--no-hibernate", action="store_true", help="release and wake only")
+    p.add_argument("--restore", nargs="*", default=["whole"], choices=["whole", "lazy"],
+                   help="CPU kernels' restore modes to compare (the server's lazy_restore)")
     asyncio.run(main_async(p.parse_args()))
 
 

@@ -272,7 +272,11 @@ class Hibernation:
                                   "come back yet (its next cell tries again): %s", kernel_id,
                                   back["hook_errors"])
             else:  # from its snapshot, in its own session
-                await restore(m, kernel_id, rest.commit, within=turn)
+                woke = await restore(m, kernel_id, rest.commit, within=turn)
+                # where a wake's time went (the wake bench reads it from the log)
+                m.log.info("infinijup: kernel %s woke from %s: %s", kernel_id, rest.commit,
+                           json.dumps({"duration_s": woke.get("duration_s"),
+                                       "phases": woke.get("phases")}, default=str))
                 if rest.head is not None:  # it stands where it stood before it slept
                     m.heads.set(kernel_id, rest.head, m.kernel(kernel_id).provisioner)
         except BaseException as exc:
