@@ -277,17 +277,10 @@ class Materializer:
         out = getattr(self._local, "opened", None)
         if out is None or len(out) < len(buf):  # a second per-thread buffer, reused
             out = self._local.opened = memoryview(bytearray(max(len(buf), 2 * RUN_MAX)))
-        opened: list[tuple[bytes, int, int, int]] = []
-        pos = at = 0
-        open_into = key.open_into
-        for cid, length, raw, comp in items:
-            try:
-                n = open_into(cid, CHUNK, comp, buf[pos:pos + length], out[at:])
-            except CorruptObject as exc:
-                raise ChecksumMismatch(f"{exc} (in pack {pack})") from None
-            opened.append((cid, n, raw, comp))
-            pos += length
-            at += n
+        try:
+            at, opened = key.open_run(CHUNK, buf, items, out)
+        except CorruptObject as exc:
+            raise ChecksumMismatch(f"{exc} (in pack {pack})") from None
         return out[:at], opened
 
     def _decode_run(self, buf: memoryview, pack: str, items: list[tuple[bytes, int, int, int]]

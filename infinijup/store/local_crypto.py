@@ -111,6 +111,31 @@ class StoreKey:
                                 "(damaged, or not this object's)") from None
         return n
 
+    def open_run(self, typ: int, sealed: memoryview, items: list[tuple[bytes, int, int, int]],
+                 out: memoryview) -> tuple[int, list[tuple[bytes, int, int, int]]]:
+        """Open the objects of ``typ`` lying back to back in ``sealed`` (``items``: id, sealed
+        length, raw length, compression, in order) into ``out``, one after the other (for
+        checkout: one call per run). Returns the bytes written and the items with their
+        payloads' lengths; CorruptObject names the first object that does not open."""
+        decrypt_into = self._aead.decrypt_into
+        ads = {c: _OBJECT_AD + bytes([typ, c]) for c in {it[3] for it in items}}
+        opened = []
+        pos = at = 0
+        for oid, length, raw, comp in items:
+            n = length - OVERHEAD
+            end = pos + length
+            try:
+                if n < 0:
+                    raise InvalidTag
+                decrypt_into(sealed[pos:pos + NONCE], sealed[pos + NONCE:end], ads[comp] + oid,
+                             out[at:at + n])
+            except InvalidTag:
+                raise CorruptObject(f"object {oid.hex()}: sealed payload does not "
+                                    "authenticate (damaged, or not this object's)") from None
+            opened.append((oid, n, raw, comp))
+            pos, at = end, at + n
+        return at, opened
+
     def seal_header(self, header: bytes, version: int) -> bytes:
         """A pack header sealed (the list of ids and sizes it holds is hidden too)."""
         nonce = os.urandom(NONCE)
