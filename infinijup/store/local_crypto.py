@@ -1,8 +1,9 @@
-"""Encryption at rest of a local store: its keys, keyed ids and sealed objects.
+"""Encryption at rest of a local store (format 3): its keys, keyed ids and sealed objects.
 
-These are the parts of issue 31's encrypted local store built so far. ``Repository`` does
-not use them yet: no store on disk is encrypted by this module alone (docs/store.md, "The
-local store", says what is left). What is here:
+``Repository.init(encrypt=...)`` makes such a store and ``Repository.open`` unlocks it; the
+store's modules (writer, packs, reader, checkout, index, gc, check, rebuild) use the
+``StoreKey`` held as ``repo.key`` (None in a plain store). docs/store.md, "The local store",
+describes the format and what a reader of the disk still learns. What is here:
 
 * **Keys**, as a remote's (keys.py): one master key wrapped by key slots (a password through
   Argon2id, or a key file) in ``<store>/keys/<slot id>``, and ``<store>/encryption`` (JSON,
@@ -12,6 +13,9 @@ local store", says what is left). What is here:
 * **Keyed ids**: an object's id is ``BLAKE3-keyed(id key, plaintext)``, so nobody without the
   key can test the store for a known file by its plain BLAKE3 hash, while the same content
   still gets the same id within the store (dedup keeps working).
+* **Tokens and sealed files**: ``token`` (keyed, for ref file names and the index's
+  threads and metadata) and ``seal_named`` / ``open_named`` (commit files and refs, bound
+  to their names).
 * **Sealed objects**: each stored payload (after compression) is sealed on its own with
   AES-256-GCM under the *object key*: ``nonce (12 random bytes) || ciphertext || tag (16)``,
   28 bytes more per object; the object's keyed id, type and compression are its associated
@@ -95,21 +99,6 @@ class StoreKey:
         except InvalidTag:
             raise CorruptObject(f"object {oid.hex()}: sealed payload does not authenticate "
                                 "(damaged, or not this object's)") from None
-
-    def open_into(self, oid: bytes, typ: int, compression: int, sealed: memoryview,
-                  out: memoryview) -> int:
-        """``open``, the payload written into ``out`` (at least ``len(sealed) - OVERHEAD``
-        bytes); returns its length."""
-        n = len(sealed) - OVERHEAD
-        if n < 0:
-            raise CorruptObject(f"object {oid.hex()}: sealed payload truncated")
-        try:
-            self._aead.decrypt_into(sealed[:NONCE], sealed[NONCE:],
-                                    _object_ad(oid, typ, compression), out[:n])
-        except InvalidTag:
-            raise CorruptObject(f"object {oid.hex()}: sealed payload does not authenticate "
-                                "(damaged, or not this object's)") from None
-        return n
 
     def open_run(self, typ: int, sealed: memoryview, items: list[tuple[bytes, int, int, int]],
                  out: memoryview) -> tuple[int, list[tuple[bytes, int, int, int]]]:
