@@ -81,7 +81,7 @@ class SnapshotManager(LoggingConfigurable):
                                   "work dir, so that restoring them skips the store checkout "
                                   "(default: a quarter of the memory, at most 32 GiB; 0: none)."
                              ).tag(config=True)
-    lazy_restore = Bool(False, help="Restores (and wakes, undos) answer before the kernel's "
+    lazy_restore = Bool(True, help="Restores (and wakes, undos) answer before the kernel's "
                                     "memory is back: its pages come on first touch and stream "
                                     "in behind (CRIU's lazy pages). Only where the helper runs "
                                     "CRIU as root and for CPU memory; other restores are whole "
