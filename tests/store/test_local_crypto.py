@@ -9,8 +9,10 @@ ids in the plain store's packs (the control) finds nothing in the sealed copies.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import blake3
@@ -420,3 +422,89 @@ def test_the_command_line_makes_and_opens_an_encrypted_store(tmp_path: Path) -> 
     assert wrong.returncode == 2 and "no key slot" in wrong.stderr
     listed = cli("key", "list", store, INFINIJUP_STORE_PASSWORD_FILE=str(pw))
     assert listed.returncode == 0 and "password" in listed.stdout, listed.stderr
+
+
+# -- a real process through an encrypted store ----------------------------------------------
+
+CRIU = os.environ.get("INFINIJUP_CRIU", "/opt/infinijup/criu/sbin/criu")
+HOLDER = """
+import os, signal, sys, time
+secret = sys.argv[1]
+held = [(secret + "|").encode() * 50000 for _ in range(4)]  # the secret in memory, 4 x 2 MB
+filler = os.urandom(16 << 20)
+def answer(*_):
+    ok = all(h == (secret + "|").encode() * 50000 for h in held)
+    print("alive", ok, len(filler), flush=True)
+signal.signal(signal.SIGUSR1, answer)
+print("ready", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def _lines(path: Path, want: str, proc_alive: object) -> list[str]:
+    """The lines of ``path`` once one equals ``want`` (waits for the event, not a delay)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        lines = path.read_text().splitlines()
+        if want in lines:
+            return lines
+        assert callable(proc_alive) and proc_alive(), f"the process ended: {lines}"
+        time.sleep(0.05)
+    raise AssertionError(f"{want!r} never came: {path.read_text()!r}")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.access(CRIU, os.X_OK),
+                    reason="needs root and CRIU (make criu) to dump a real process")
+def test_a_real_process_dumped_into_an_encrypted_store_and_restored(tmp_path: Path) -> None:
+    out = tmp_path / "holder.out"
+    with open(out, "w") as f:
+        p = subprocess.Popen([sys.executable, "-c", HOLDER, SECRET], stdout=f,
+                             stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                             start_new_session=True)
+    pid = p.pid
+    try:
+        _lines(out, "ready", lambda: p.poll() is None)
+        (tmp_path / "dump").mkdir()
+        r = subprocess.run([CRIU, "dump", "-t", str(pid), "-D", str(tmp_path / "dump"),
+                            "--shell-job", "-o", "dump.log"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, (tmp_path / "dump" / "dump.log").read_text()[-2000:]
+        assert p.wait(timeout=30) is not None  # CRIU's dump ended it (no --leave-running)
+        (tmp_path / "dump" / "dump.log").unlink()
+        pages = next((tmp_path / "dump").glob("pages-*.img"))
+        assert SECRET.encode() in pages.read_bytes()  # the control: the image holds it
+
+        creds = _creds(tmp_path)
+        with Repository.init(tmp_path / "store", encrypt=creds, kdf=FAST) as repo:
+            cid = repo.commit_dir(tmp_path / "dump", thread=f"nb/{SECRET}").id
+        needles = {"secret": SECRET.encode(),
+                   "blake3(pages)": blake3.blake3(pages.read_bytes()).digest()}
+        needles["blake3(pages) hex"] = needles["blake3(pages)"].hex().encode()
+        assert _scan(tmp_path / "store", needles) == set()
+
+        with Repository.open(tmp_path / "store", credentials=creds) as repo:
+            checkout_dir(repo, cid, tmp_path / "restore")
+        diff = subprocess.run(["diff", "-r", str(tmp_path / "dump"), str(tmp_path / "restore")],
+                              capture_output=True, text=True)
+        assert diff.returncode == 0, diff.stdout[:500]
+        r = subprocess.run([CRIU, "restore", "-D", str(tmp_path / "restore"), "--shell-job",
+                            "--restore-detached", "-o", "restore.log"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, (tmp_path / "restore" / "restore.log").read_text()[-2000:]
+        os.kill(pid, signal.SIGUSR1)  # the restored process answers with what it holds
+        lines = _lines(out, f"alive True {16 << 20}", lambda: _alive(pid))
+        assert lines[0] == "ready"
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
