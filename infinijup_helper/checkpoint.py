@@ -516,7 +516,8 @@ class CriuRestore(StageBase):
             kill_aborted_restore(job.registry, job.pid)
 
         deadline = self.criu.deadline_s(job.staged_bytes)
-        detached = detached_inodes(self.criu.load_image(job.staging.fd, FILES_IMAGE))
+        detached = detached_inodes(self.criu.messages(job.staging.fd, FILES_IMAGE, "FILES",
+                                                      "file_entry"))
         try:
             with closed_ends(detached) as inherit:
                 pid = self.criu.restore(job.staging.fd, run_as=job.run_as,

@@ -471,6 +471,35 @@ class Criu:
         return head.pages_id, entries
 
 
+    def messages(self, dir_fd: int, name: str, magic: str, message: str) -> list[Any]:
+        """The entries of a one-type image (``magic``, e.g. "FILES") as protobuf messages of
+        ``message`` (e.g. "file_entry"), without ``load_image``'s conversion to dicts: the
+        restore's checks read files.img three times, 40 ms each as dicts (issue 32's wake)."""
+        images = self.pycriu.images
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        with os.fdopen(fd, "rb") as f:
+            data = f.read()
+        try:
+            (found,), at = struct.unpack_from("i", data, 0), 4
+            if found in (images.by_name["IMG_COMMON"], images.by_name["IMG_SERVICE"]):
+                (found,), at = struct.unpack_from("i", data, 4), 8
+            if images.by_val.get(found) != magic:
+                raise ValueError(f"not a {magic} image (magic {found:#x})")
+            out = []
+            while at < len(data):
+                (size,) = struct.unpack_from("i", data, at)
+                at += 4
+                if size < 0 or at + size > len(data):
+                    raise ValueError("an entry runs past the end")
+                msg = getattr(images.pb, message)()
+                msg.ParseFromString(data[at:at + size])
+                out.append(msg)
+                at += size
+        except Exception as exc:  # noqa: BLE001 - any decode failure means damaged images
+            raise RequestError("bad_request", f"image {name} cannot be read: {exc}") from None
+        return out
+
+
 def _send(sk: socket.socket, req: Any, deadline: float) -> None:
     sk.settimeout(max(0.001, deadline - time.monotonic()))
     sk.send(req.SerializeToString())

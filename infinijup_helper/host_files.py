@@ -51,16 +51,25 @@ def reopened_files(criu: Criu, dir_fd: int) -> dict[str, dict]:
         return {}
     remapped = set()
     if REMAPS_IMAGE in names:
-        remapped = {e.get("orig_id") for e in criu.load_image(dir_fd, REMAPS_IMAGE)
-                    .get("entries", [])}
+        remapped = {e.orig_id for e in criu.messages(dir_fd, REMAPS_IMAGE, "REMAP_FPATH",
+                                                     "remap_file_path_entry")}
     out: dict[str, dict] = {}
-    for entry in criu.load_image(dir_fd, FILES_IMAGE).get("entries", []):
-        reg = entry.get("reg") if entry.get("type") == "REG" else None
-        if reg is None or reg.get("id") in remapped:
+    for entry in criu.messages(dir_fd, FILES_IMAGE, "FILES", "file_entry"):
+        if not entry.HasField("reg") or entry.reg.id in remapped:
             continue
-        path = reg.get("name", "")
-        if path.startswith("/") and not path.startswith("/proc/"):
-            out.setdefault(path, reg)
+        reg = entry.reg
+        if reg.name.startswith("/") and not reg.name.startswith("/proc/"):
+            out.setdefault(reg.name, _as_dict(reg))
+    return out
+
+
+def _as_dict(reg) -> dict:  # noqa: ANN001 - a reg_file_entry message
+    """The fields ``differences`` reads, as load_image's dicts name them."""
+    out: dict = {"id": reg.id, "name": reg.name}
+    if reg.HasField("size"):
+        out["size"] = reg.size
+    if reg.HasField("mode"):
+        out["mode"] = reg.mode
     return out
 
 

@@ -57,12 +57,13 @@ def is_new_connection(message: str) -> bool:
     return NEW_CONNECTION in message
 
 
-def detached_inodes(files_image: dict) -> list[int]:
-    """Inodes of the image's unix sockets whose peer was outside the dumped tree."""
-    entries = [e.get("usk") for e in files_image.get("entries", []) if e.get("type") == "UNIXSK"]
-    external = {u.get("ino") for u in entries if u and u.get("uflags", 0) & USK_EXTERN}
-    return sorted(u["ino"] for u in entries
-                  if u and not u.get("uflags", 0) & USK_EXTERN and u.get("peer") in external)
+def detached_inodes(files: list) -> list[int]:
+    """Inodes of the image's unix sockets whose peer was outside the dumped tree; ``files``:
+    files.img's entries as protobuf messages (criu.py's ``messages``)."""
+    entries = [e.usk for e in files if e.HasField("usk")]
+    external = {u.ino for u in entries if u.uflags & USK_EXTERN}
+    return sorted(u.ino for u in entries
+                  if not u.uflags & USK_EXTERN and u.HasField("peer") and u.peer in external)
 
 
 @contextlib.contextmanager
