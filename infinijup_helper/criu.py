@@ -441,40 +441,17 @@ class Criu:
         """A pagemap image's ``pages_id`` and its entries' ``(nr_pages, flags)``, read as
         protobuf messages: ``load_image``'s conversion to dicts took 140 ms for the 80 KB
         pagemap of a 4 GiB kernel, on every restore's check (issue 32's wake)."""
-        images = self.pycriu.images
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-        with os.fdopen(fd, "rb") as f:
-            data = f.read()
-        try:
-            (magic,), at = struct.unpack_from("i", data, 0), 4
-            if magic in (images.by_name["IMG_COMMON"], images.by_name["IMG_SERVICE"]):
-                (magic,), at = struct.unpack_from("i", data, 4), 8
-            if images.by_val.get(magic) != "PAGEMAP":
-                raise ValueError(f"not a pagemap (magic {magic:#x})")
-            head, entries = None, []
-            while at < len(data):
-                (size,) = struct.unpack_from("i", data, at)
-                at += 4
-                if size < 0 or at + size > len(data):
-                    raise ValueError("an entry runs past the end")
-                msg = images.pb.pagemap_head() if head is None else images.pb.pagemap_entry()
-                msg.ParseFromString(data[at:at + size])
-                at += size
-                if head is None:
-                    head = msg
-                else:
-                    entries.append((msg.nr_pages, msg.flags))
-        except Exception as exc:  # noqa: BLE001 - any decode failure means damaged images
-            raise RequestError("bad_request", f"image {name} cannot be read: {exc}") from None
-        if head is None or not head.HasField("pages_id"):
+        found = self.messages(dir_fd, name, "PAGEMAP", "pagemap_entry", head="pagemap_head")
+        if not found or not found[0].HasField("pages_id"):
             raise RequestError("bad_request", f"damaged images: {name} has no header")
-        return head.pages_id, entries
+        return found[0].pages_id, [(e.nr_pages, e.flags) for e in found[1:]]
 
-
-    def messages(self, dir_fd: int, name: str, magic: str, message: str) -> list[Any]:
-        """The entries of a one-type image (``magic``, e.g. "FILES") as protobuf messages of
-        ``message`` (e.g. "file_entry"), without ``load_image``'s conversion to dicts: the
-        restore's checks read files.img three times, 40 ms each as dicts (issue 32's wake)."""
+    def messages(self, dir_fd: int, name: str, magic: str, message: str,
+                 head: str | None = None) -> list[Any]:
+        """The entries of an image (``magic``, e.g. "FILES") as protobuf messages of
+        ``message`` (e.g. "file_entry"; the first of ``head``'s type where the image has a
+        header), without ``load_image``'s conversion to dicts: a restore's checks read
+        files.img twice, about 40 ms each as dicts (issue 32's wake)."""
         images = self.pycriu.images
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
         with os.fdopen(fd, "rb") as f:
@@ -491,7 +468,7 @@ class Criu:
                 at += 4
                 if size < 0 or at + size > len(data):
                     raise ValueError("an entry runs past the end")
-                msg = getattr(images.pb, message)()
+                msg = getattr(images.pb, head if head and not out else message)()
                 msg.ParseFromString(data[at:at + size])
                 out.append(msg)
                 at += size

@@ -36,7 +36,7 @@ from ..helper_client import HelperClient
 from ..kernel_magics import agent
 from ..provisioner import InfinijupProvisioner
 from ..store import Repository, default_store_path
-from . import gpu_status, history, restore_flow, snapshot_flow
+from . import history, kernel_status, restore_flow, snapshot_flow
 from .events import EVENT_SCHEMA_ID, Events
 from .hibernation import Hibernation
 from .remote_tier import RemoteTier, budget_from_env, remote_from_env
@@ -286,35 +286,7 @@ class SnapshotManager(LoggingConfigurable):
         return {"kernel_id": kernel_id, "state": self.lifecycle.shown(kernel_id)}
 
     async def status(self, kernel_id: str | None) -> dict:
-        if not kernel_id:  # the whole server: who holds GPU memory, who rests (issue 27)
-            return await gpu_status.server_status(self)
-        km = self.kernel(kernel_id)
-        managed = isinstance(km.provisioner, InfinijupProvisioner)
-        op = self.lifecycle.operation(kernel_id)
-        head = self.heads.get(kernel_id)
-        return {"kernel_id": kernel_id, "managed": managed,
-                "state": self.lifecycle.shown(kernel_id),
-                "lifecycle": self.lifecycle.state(kernel_id),
-                "operation": {"op": op.op, "phase": op.phase, "percent": op.percent}
-                if op else None,
-                "last_operation": self.lifecycle.last(kernel_id),
-                "head": {"thread": head.thread, "commit": head.commit},
-                "remote": self.remote_tier.status(head.commit),
-                "gpu": await gpu_status.gpu_view(self, kernel_id),
-                "pages": await self._pages(km) if managed and self.lazy_restore else None}
-
-    async def _pages(self, km) -> dict | None:  # noqa: ANN001 - a KernelManager
-        """A lazily restored kernel's memory (issue 32): ``{state: streaming | resident |
-        failed, resident_s, error}`` as the helper follows it; None: restored whole, or not
-        restored, or no process now (hibernated)."""
-        root = km.provisioner.root_pid
-        if not root:
-            return None
-        try:
-            st = await asyncio.to_thread(HelperClient(config.helper_socket()).status, root)
-        except InfinijupError:
-            return None
-        return st.pages
+        return await kernel_status.status(self, kernel_id)
 
     def kernel_message_key(self, kernel_id: str) -> bytes | None:
         """The message key of a running Infinijup kernel of this server (None otherwise): what
