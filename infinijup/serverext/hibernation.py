@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +40,7 @@ from ..engine.naming import DEFAULT_THREAD
 from ..engine.steps import Steps
 from ..errors import Conflict, HelperError, InfinijupError, NotFound
 from ..gpu.room_plan import Candidate, margin_for, plan_room, release_refusal
+from . import kernel_records
 from .restore_flow import restore
 from .snapshot_flow import snapshot
 
@@ -420,38 +420,19 @@ class Hibernation:
             self.manager.log.warning("infinijup: could not drop %s: %s", aside_ref(kernel_id),
                                      exc.message)
 
-    def _record_path(self, kernel_id: str) -> Path:
-        if not kernel_id or "/" in kernel_id or kernel_id.startswith("."):
-            raise NotFound(f"no kernel {kernel_id}", reason="unknown_kernel")
-        return self.records / f"{kernel_id}.json"
-
     def _write_record(self, kernel_id: str, record: dict) -> None:
-        self.records.mkdir(mode=0o700, parents=True, exist_ok=True)
-        path = self._record_path(kernel_id)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, path)
+        kernel_records.write(self.records, kernel_id, record)
 
     def _move_record(self, old: str, new: str, record: dict) -> None:
         self._write_record(new, {**record, "kernel_id": new})
         self._remove_record(old)
 
     def _remove_record(self, kernel_id: str) -> None:
-        try:
-            self._record_path(kernel_id).unlink()
-        except FileNotFoundError:
-            pass
+        kernel_records.remove(self.records, kernel_id)
 
     def _records(self) -> list[dict]:
-        out = []
-        for path in sorted(self.records.glob("*.json")):
-            try:
-                record = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue
-            if isinstance(record, dict) and record.get("commit") and record.get("path"):
-                out.append(record)
-        return out
+        return kernel_records.read_all(self.records,
+                                       lambda r: bool(r.get("commit") and r.get("path")))
 
 
 def aside_ref(kernel_id: str) -> str:

@@ -27,14 +27,12 @@ keeps it (its commits stay spared until the notebook's next kernel redoes them o
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import time
 from pathlib import Path
 
 from ..errors import Conflict, InfinijupError
 from ..store.thinned import thinned
-from . import snapshot_flow
+from . import kernel_records, snapshot_flow
 
 
 class UndoRedo:
@@ -90,35 +88,16 @@ class UndoRedo:
         if not commits:
             self._remove_record(kernel_id)
             return
-        self.records.mkdir(mode=0o700, parents=True, exist_ok=True)
-        path = self._record_path(kernel_id)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps({"kernel_id": kernel_id, "path": self.paths.get(kernel_id),
-                                   "commits": commits, "updated": time.time()}))
-        os.replace(tmp, path)
-
-    def _record_path(self, kernel_id: str) -> Path:
-        if not kernel_id or "/" in kernel_id or kernel_id.startswith("."):
-            raise Conflict(f"no redo record for kernel {kernel_id!r}", reason="unknown_kernel")
-        return self.records / f"{kernel_id}.json"
+        kernel_records.write(self.records, kernel_id, {
+            "kernel_id": kernel_id, "path": self.paths.get(kernel_id), "commits": commits,
+            "updated": time.time()})
 
     def _remove_record(self, kernel_id: str) -> None:
-        try:
-            self._record_path(kernel_id).unlink()
-        except (FileNotFoundError, Conflict):
-            pass
+        kernel_records.remove(self.records, kernel_id)
 
     def _records(self) -> list[dict]:
-        out = []
-        for path in sorted(self.records.glob("*.json")):
-            try:
-                record = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue
-            if isinstance(record, dict) and isinstance(record.get("commits"), list) and \
-                    all(isinstance(c, str) for c in record["commits"]):
-                out.append(record)
-        return out
+        return kernel_records.read_all(self.records, lambda r: isinstance(
+            r.get("commits"), list) and all(isinstance(c, str) for c in r["commits"]))
 
     async def _run(self, kernel_id: str, what: str, from_kernel: bool) -> dict:
         m = self.m
