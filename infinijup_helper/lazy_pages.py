@@ -184,13 +184,12 @@ class PageStream:
             while not ended.poll(WATCH_S * 1000):
                 self._renew(watching=True)
             self.proc.wait()
-            if self.proc.returncode == 0:
-                self.state = "resident"
-            else:
-                self.error = (f"the page daemon ended (exit {self.proc.returncode}) before "
-                              "the kernel's memory was back; the kernel was ended\n"
-                              + log_tail(self.staging_fd, LOG))
-                self.state = "failed"
+            state, error = "resident", None
+            if self.proc.returncode != 0:
+                error = (f"the page daemon ended (exit {self.proc.returncode}) before "
+                         "the kernel's memory was back; the kernel was ended\n"
+                         + log_tail(self.staging_fd, LOG))
+                state = "failed"
                 hold("lazy_pages_ended", daemon_pid=self.proc.pid)
                 try:
                     kill_tree()  # before the references go: its faults wait until then
@@ -198,6 +197,8 @@ class PageStream:
                     log.exception("lazy restore: ending tree after daemon failure")
             self.resident_s = round(time.monotonic() - self.started, 6)
             self._release()
+            # published last: whoever sees the stream ended finds its references gone
+            self.error, self.state = error, state
             on_end(self)
 
         threading.Thread(target=run, name=f"lazy-pages-{self.proc.pid}", daemon=True).start()
