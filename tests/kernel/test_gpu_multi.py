@@ -4,11 +4,14 @@ machine with two or more NVIDIA GPUs; skipped with the reason elsewhere.
 A kernel holding tensors and CUDA generators on two cards, a copy of one card's tensor on the
 other and a model split over both (accelerate's dispatch, as ``device_map="auto"`` makes it):
 snapshot, restore, a second snapshot that copies only the change on each card, resume into a
-new kernel, release and wake, sampled generation the same after each; a live NCCL communicator
-refused with the reason, the kernel running on."""
+new kernel, release and wake, a branch from an older snapshot, hibernation and a wake, sampled
+generation the same after each; a live NCCL communicator refused with the reason, the kernel
+running on. On a machine of three or more cards (nvidia-h100-x4), a model split over every card
+snapshots, restores and resumes the same way."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -113,8 +116,6 @@ async def test_two_cards_snapshot_restore_and_copy_only_the_change(notebook):
 
 
 async def test_release_and_wake_then_resume_into_a_new_kernel(notebook, jp_serverapp):
-    import asyncio
-
     from infinijup.gpu.room import held_by_tree
 
     nb = notebook
@@ -146,6 +147,104 @@ async def test_release_and_wake_then_resume_into_a_new_kernel(notebook, jp_serve
     other = await attach(Notebook(nb.fetch, nb.ws_fetch, nb.path), json.loads(r.body)["kernel_id"])
     try:
         assert await other.value(NEXT) == expected
+    finally:
+        await other.close()
+
+
+async def test_branch_from_an_older_snapshot_then_hibernate_and_wake(notebook, jp_serverapp):
+    """Two cards: a branch from an older snapshot (the newer path kept and restorable), then
+    hibernation (no process, neither card holds anything) and a wake by the next cell, with
+    every card's state, the generators and the split model's sampling as they were."""
+    from infinijup.gpu.room import held_by_tree
+
+    nb = notebook
+    await nb.execute(TWO_CARDS, timeout=600)
+    a = await nb.snapshot(message="A")
+    at_a = await nb.value("state()")
+    await nb.execute("ts[0].mul_(2); ts[1].add_(1)")
+    b = await nb.snapshot(message="B")
+    at_b = await nb.value("state()")
+    await nb.restore(a["commit"])
+    assert await nb.value("state()") == at_a
+    await nb.execute("ts[1].sub_(5)")
+    c = await nb.snapshot(message="C: a branch from A")
+    assert c["thread"] != b["thread"]
+    at_c = await nb.value("state()")
+    await nb.restore(b["commit"])  # the first path is intact
+    assert await nb.value("state()") == at_b
+    await nb.restore(c["commit"])
+    expected = await nb.value(NEXT)
+    await nb.restore(c["commit"])  # the draws above moved the generators: back to C
+
+    while jp_serverapp.kernel_manager.get_kernel(nb.kernel_id).execution_state != "idle":
+        await asyncio.sleep(0.01)
+    r = await nb.post("hibernate", {"kernel_id": nb.kernel_id})
+    assert r.code == 200, r.body
+    assert json.loads(r.body)["state"] == "hibernated", r.body
+    assert jp_serverapp.kernel_manager.get_kernel(nb.kernel_id).provisioner.root_pid is None
+    got = await nb.value(NEXT)  # the cell wakes it
+    assert got[0] == at_c and got == expected
+    root = jp_serverapp.kernel_manager.get_kernel(nb.kernel_id).provisioner.root_pid
+    held = held_by_tree(root)
+    assert len([n for n in held.values() if n > 2**30]) == 2, held  # both cards back
+
+
+EVERY_CARD = """
+import hashlib, os, torch
+os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+torch.use_deterministic_algorithms(True)
+n = torch.cuda.device_count()
+gens = [torch.Generator(device=f"cuda:{d}").manual_seed(100 + d) for d in range(n)]
+ts = [torch.randn(2048, 2048, device=f"cuda:{d}", generator=gens[d]) for d in range(n)]
+ring = [ts[d].to(f"cuda:{(d + 1) % n}") for d in range(n)]  # each card's tensor on the next
+def digest(x):
+    return hashlib.sha256(x.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+from accelerate import dispatch_model
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(7)
+cfg = LlamaConfig(hidden_size=512, intermediate_size=1376, num_hidden_layers=n,
+                  num_attention_heads=8, num_key_value_heads=8, vocab_size=1000)
+model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+split = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.norm": n - 1, "lm_head": n - 1}
+split.update({f"model.layers.{d}": d for d in range(n)})
+model = dispatch_model(model, device_map=split)
+prompt = torch.randint(0, 1000, (2, 12), device="cuda:0")
+def sample():
+    torch.manual_seed(11)
+    with torch.no_grad():
+        return model.generate(prompt, do_sample=True, max_new_tokens=16, top_k=50,
+                              pad_token_id=0).tolist()
+def every():
+    return ([digest(t) for t in ts + ring],
+            [torch.randn(4, device=f"cuda:{d}", generator=gens[d]).tolist() for d in range(n)],
+            [digest(ring[d] @ ts[(d + 1) % n]) for d in range(n)], sample())
+cards = sorted({p.device.index for p in model.parameters()})
+"""
+
+
+@pytest.mark.skipif(GPUS < 3, reason=f"needs 3 or more GPUs, this machine has {GPUS} "
+                    "(runs on the device's nvidia-h100-x4)")
+async def test_a_model_over_every_card_snapshots_restores_and_resumes(notebook):
+    nb = notebook
+    await nb.execute(EVERY_CARD, timeout=600)
+    assert await nb.value("cards") == list(range(GPUS))
+    snap = await nb.snapshot(message=f"{GPUS} cards")
+    meta = (await nb.history())["commits"][0]["metadata"]["gpu"]
+    assert len(meta["vram_bytes"]) == GPUS, meta
+    pairs = {frozenset((k["a"], k["b"])) for k in meta["fingerprint"].get("links") or []}
+    assert len(pairs) == GPUS * (GPUS - 1) // 2, meta["fingerprint"]  # every pair's link
+    expected = await nb.value("every()")
+    await nb.execute("[t.zero_() for t in ts + ring]")
+    await nb.restore(snap["commit"])
+    assert await nb.value("every()") == expected
+
+    await nb.fetch("api", "kernels", nb.kernel_id, method="DELETE")
+    nb.kernel_id = ""
+    r = await nb.post("resume", {"path": nb.path, "commit": snap["commit"]})
+    assert r.code == 200, r.body
+    other = await attach(Notebook(nb.fetch, nb.ws_fetch, nb.path), json.loads(r.body)["kernel_id"])
+    try:
+        assert await other.value("every()") == expected
     finally:
         await other.close()
 
