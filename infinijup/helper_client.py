@@ -136,6 +136,7 @@ class HelperClient:
         log_path: str | None = None,
         path_map: Sequence[tuple[str, str]] = (),
         lazy: bool = False,
+        page_source: str | None = None,
     ) -> RestoreResult:
         """``path_map`` (saved socket path, new path), ``port_map`` (saved TCP port, new port)
         and ``log_path`` restore the images into another kernel session: its endpoints and its
@@ -151,6 +152,8 @@ class HelperClient:
             args["log_path"] = log_path
         if lazy:
             args["lazy"] = True
+        if page_source is not None:
+            args["page_source"] = page_source
         r = self.call("restore", args, on_progress)
         return RestoreResult(int(r["pid"]), r["duration_s"], dict(r["phases"]), r.get("gpu"),
                              r.get("pages"), r.get("whole_why"))

@@ -34,6 +34,7 @@ from .criu import (
     tree_tasks,
 )
 from .lazy_pages import PageStream, processes_to_serve
+from .page_source import PageSource
 from .paths import Staging, WorkDirs
 from .proc import Caller, read_proc, tree_members
 from .protocol import RequestError
@@ -352,6 +353,7 @@ class RestoreJob:
     retargeted: dict = field(default_factory=dict)
     lazy: bool = False  # leave private memory to a page daemon (lazy_pages.py)
     stream: PageStream | None = None
+    source: PageSource | None = None  # the page files come from the caller (page_source.py)
 
     @property
     def replace_pid(self) -> int | None:
@@ -438,7 +440,11 @@ class StageImages(StageBase):
             if seals is not None
             else [n for n in image_names(job.images_fd) if is_sealed_name(n)]
         )
+        served: dict[str, int | None] = {}  # page files the source serves: their sealed sizes
         for name in names:
+            if job.source is not None and name.startswith("pages-"):
+                served[name] = seals[name].size if seals is not None else None
+                continue
             try:
                 fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=job.images_fd)
             except FileNotFoundError:
@@ -465,6 +471,16 @@ class StageImages(StageBase):
             finally:
                 os.close(fd)
             job.staged.append(name)
+        if job.source is not None:
+            job.staged_bytes += job.source.fill(self.criu, job.staging.fd, job.caller,
+                                                everything=not job.lazy)
+            for name, size in served.items():  # a sealed page file: the size it was dumped at
+                try:
+                    now = os.stat(name, dir_fd=job.staging.fd, follow_symlinks=False).st_size
+                except FileNotFoundError:
+                    now = -1
+                if size is not None and now != size:
+                    raise untrusted(f"{name} differs in size from what was dumped")
         check_page_files(self.criu, job.staging.fd)  # before the kill stage: refuse early
         if not trusted:
             check_creds(self.criu, job.staging.fd, job.caller.uid, job.allowed_gids,
@@ -492,7 +508,7 @@ class CriuRestore(StageBase):
             argv = self.criu.command(job.run_as)
             if job.run_as is not None:
                 argv.append("--unprivileged")
-            stream = job.stream = PageStream(argv, job.staging.fd)
+            stream = job.stream = PageStream(argv, job.staging.fd, source=job.source)
 
         def on_notify(action: str, pid: int | None) -> None:
             # The restored tree exists, frozen, not yet running: record it now, so that a

@@ -446,6 +446,13 @@ class Criu:
             raise RequestError("bad_request", f"damaged images: {name} has no header")
         return found[0].pages_id, [(e.nr_pages, e.flags) for e in found[1:]]
 
+    def pagemap_entries(self, dir_fd: int, name: str) -> tuple[int, list[tuple[int, int, int]]]:
+        """As ``pagemap``, each entry as ``(vaddr, nr_pages, flags)``."""
+        found = self.messages(dir_fd, name, "PAGEMAP", "pagemap_entry", head="pagemap_head")
+        if not found or not found[0].HasField("pages_id"):
+            raise RequestError("bad_request", f"damaged images: {name} has no header")
+        return found[0].pages_id, [(e.vaddr, e.nr_pages, e.flags) for e in found[1:]]
+
     def messages(self, dir_fd: int, name: str, magic: str, message: str,
                  head: str | None = None) -> list[Any]:
         """The entries of an image (``magic``, e.g. "FILES") as protobuf messages of

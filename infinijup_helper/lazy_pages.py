@@ -42,11 +42,14 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .criu import CriuFailed, log_tail, tree_tasks
 from .holds import hold
 from .protocol import RequestError
+
+if TYPE_CHECKING:
+    from .page_source import PageSource
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +75,29 @@ def _pidfd_getfd(pidfd: int, fd: int) -> int:
 class PageStream:
     """One lazy restore's page daemon, and the helper's hold on its userfaultfds."""
 
-    def __init__(self, argv: list[str], staging_fd: int) -> None:
+    def __init__(self, argv: list[str], staging_fd: int,
+                 source: PageSource | None = None) -> None:
         self.staging_fd = staging_fd
-        self.proc = subprocess.Popen(
-            [*argv, "lazy-pages", "-D", f"/proc/self/fd/{staging_fd}",
-             "-o", LOG, "-v2"],
-            pass_fds=(staging_fd,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, cwd="/")
+        self.source = source  # pages asked of the caller, not read from files (page_source.py)
+        extra, fds = [], [staging_fd]
+        theirs = source.daemon_socket() if source is not None else None
+        if theirs is not None:
+            extra = ["--page-server", "--ps-socket", str(theirs.fileno())]
+            fds.append(theirs.fileno())
+        try:
+            self.proc = subprocess.Popen(
+                [*argv, "lazy-pages", "-D", f"/proc/self/fd/{staging_fd}", *extra,
+                 "-o", LOG, "-v2"],
+                pass_fds=tuple(fds), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+                cwd="/")
+        except BaseException:
+            if source is not None:
+                source.close()
+            raise
+        finally:
+            if theirs is not None:
+                theirs.close()  # the daemon's now
         self.pidfd = os.pidfd_open(self.proc.pid)
         self.started = time.monotonic()
         self.state = "starting"  # then streaming, resident or failed
@@ -186,8 +205,10 @@ class PageStream:
             self.proc.wait()
             state, error = "resident", None
             if self.proc.returncode != 0:
+                why = self.source.error if self.source is not None else None
                 error = (f"the page daemon ended (exit {self.proc.returncode}) before "
-                         "the kernel's memory was back; the kernel was ended\n"
+                         "the kernel's memory was back; the kernel was ended"
+                         + (f" ({why})" if why else "") + "\n"
                          + log_tail(self.staging_fd, LOG))
                 state = "failed"
                 hold("lazy_pages_ended", daemon_pid=self.proc.pid)
@@ -212,6 +233,8 @@ class PageStream:
         self._release()
 
     def _release(self) -> None:
+        if self.source is not None:
+            self.source.close()
         with self._lock:
             held, self._held = self._held, []
         for fd in held:

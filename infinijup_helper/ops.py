@@ -48,6 +48,7 @@ from .cuda_stage import CudaResumeAfterDump, CudaResumeRestored, CudaSuspend, re
 from .host_files import CheckHostFiles
 from .lazy_pages import PageStream
 from .limits import Limits, caller_rlimits
+from .page_source import PageSource
 from .paths import WorkDirs, check_target_free, remove_entry
 from .proc import Caller, authorize_members, owns, read_proc
 from .protocol import RequestError
@@ -359,6 +360,8 @@ class Operations:
                 cgroup_procs=caller_cgroup_procs(caller, self.cgroup_mount),
                 lazy=args.lazy and not self._whole_why(run_as),
             )
+            if args.page_source is not None:
+                job.source = PageSource(images_fd, args.page_source, caller)
             stages = self.restore_stages()
             try:
                 phases = run_stages(stages, job, progress)
@@ -366,6 +369,9 @@ class Operations:
                 if job.stream is not None:
                     job.stream.abort()
                 raise
+            finally:
+                if job.source is not None and job.stream is None:
+                    job.source.close()  # a whole restore: every page was filled in
             if job.stream is not None:
                 self._stream_pages(caller, job, kept.pop_all())
         return {"pid": job.pid, "duration_s": round(time.monotonic() - start, 6), "phases": phases,

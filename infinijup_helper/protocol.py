@@ -80,6 +80,9 @@ class RestoreArgs:
     path_map: tuple[tuple[str, str], ...] = ()
     log_path: str | None = None
     lazy: bool = False  # run before the memory is back (lazy_pages.py)
+    # A unix socket in images_dir that serves the page files, which are then not in it
+    # (page_source.py): restores from the store without checking the pages out.
+    page_source: str | None = None
 
 
 @dataclass(frozen=True)
@@ -195,6 +198,14 @@ def _bool(name: str, value: Any) -> bool:
     if type(value) is not bool:
         raise _fail(name, "true or false")
     return value
+
+
+def _optional_name(name: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or "/" in value or value in (".", ".."):
+        raise _fail(name, "a file name (no slash)")
+    return _check_text(name, value, 64)
 
 
 def _path(name: str, value: Any) -> str:
@@ -319,6 +330,7 @@ ARG_SPECS: dict[str, tuple[type, dict[str, tuple[Validator, Any]]]] = {
             "path_map": (_path_map, ()),
             "log_path": (_optional_path, None),
             "lazy": (_bool, False),
+            "page_source": (_optional_name, None),
         },
     ),
     "kill": (KillArgs, {"pid": (_pid, _REQUIRED)}),

@@ -1,0 +1,252 @@
+"""A restore whose page files are not on disk: the caller serves their bytes (issue 32).
+
+The server keeps snapshots in its store; checking a 4 GiB kernel's page files out before a
+restore costs seconds. Instead it checks out the small images, listens on a unix socket in
+the images dir and names it (``RestoreArgs.page_source``). The helper then:
+
+- connects to that socket through the images dir's descriptor and requires the peer to be
+  the caller (``SO_PEERCRED``), so a socket another account put there serves nothing;
+- makes each page file in the staging dir, full size and sparse, and fills in what CRIU's
+  restore reads itself: the pages not marked lazy (and every page of a shared-memory
+  pagemap). A whole restore (the caller cannot have a lazy one) fills in everything;
+- for a lazy restore, answers CRIU's page daemon (``lazy-pages --page-server --ps-socket``)
+  on a socketpair, in CRIU's page-server protocol, asking the source for each range the
+  daemon wants. The daemon never talks to the caller: each of its requests is checked
+  against the pagemaps (the process, the address, the count) before anything is asked, and
+  the source's answer is only bytes of an exact, known length.
+
+Wire to the source, per range: ``u32`` name length, the page file's name (``pages-N.img``),
+``u64`` offset, ``u64`` length; the answer is those bytes. A short answer, a closed
+connection or a wrong name ends the stream: the daemon fails, the tree is ended
+(lazy_pages.py), the reason recorded. Requests are pipelined: one thread sends, another
+forwards the answers in order.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import logging
+import os
+import queue
+import socket
+import stat
+import struct
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from .criu import PE_PARENT, PE_PRESENT, image_names
+from .proc import Caller
+from .protocol import RequestError
+
+log = logging.getLogger(__name__)
+
+PAGE = 4096
+PE_LAZY = 2
+PS_IOV_ADD_F = 6
+PS_IOV_GET = 7
+PS_IOV_CLOSE = 0x1023
+PS_IOV_FORCE_CLOSE = 0x1024
+PS_CMD_BITS = 16
+IOV = struct.Struct("<I4xQQQ")  # CRIU's struct page_server_iov: cmd, nr_pages, vaddr, dst_id
+ASK = struct.Struct("<QQ")  # after the name: offset, length
+FILL_CHUNK = 8 << 20
+MAX_ASK = 64 << 20  # one daemon request's bytes at most (it asks for far less)
+
+
+def _untrusted(msg: str) -> RequestError:
+    return RequestError("bad_request", f"page source: {msg}")
+
+
+@dataclass
+class _Map:
+    """One task's lazy ranges: sorted starts, and (vaddr, pages, offset in its page file)."""
+
+    pages: str
+    starts: list[int] = field(default_factory=list)
+    ranges: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def find(self, vaddr: int, nr: int) -> tuple[int, int]:
+        """(offset, pages) of the part of [vaddr, +nr pages) inside one lazy range."""
+        i = bisect.bisect_right(self.starts, vaddr) - 1
+        if i < 0:
+            raise ValueError(f"address {vaddr:#x} is in no lazy range")
+        start, count, offset = self.ranges[i]
+        if vaddr % PAGE or vaddr >= start + count * PAGE:
+            raise ValueError(f"address {vaddr:#x} is in no lazy range")
+        skip = (vaddr - start) // PAGE
+        return offset + skip * PAGE, min(nr, count - skip)
+
+
+class PageSource:
+    """The caller's connection, the staged page files and the daemon's lazy ranges."""
+
+    def __init__(self, images_fd: int, name: str, caller: Caller) -> None:
+        if not name or "/" in name or len(name) > 64 or name in (".", ".."):
+            raise _untrusted(f"bad socket name {name!r}")
+        try:
+            st = os.stat(name, dir_fd=images_fd, follow_symlinks=False)
+        except OSError as exc:
+            raise _untrusted(f"{name}: {exc.strerror}") from None
+        if not stat.S_ISSOCK(st.st_mode):
+            raise _untrusted(f"{name} is not a socket")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            self.sock.connect(f"/proc/self/fd/{images_fd}/{name}")
+            uid = struct.unpack("3i", self.sock.getsockopt(
+                socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+            if uid != caller.uid:
+                raise _untrusted(f"{name} is served by uid {uid}, not by the caller")
+        except OSError as exc:
+            self.sock.close()
+            raise _untrusted(f"cannot connect to {name}: {exc.strerror}") from None
+        except BaseException:
+            self.sock.close()
+            raise
+        self.maps: dict[int, _Map] = {}
+        self.error: str | None = None
+        self._threads: list[threading.Thread] = []
+
+    # -- the staged page files
+
+    def fill(self, criu: Any, staging_fd: int, owner: Caller, *, everything: bool) -> int:
+        """Make each page file the pagemaps name (sparse, full size) in the staging dir and
+        fill what the restore reads itself (``everything``: all of it); bytes made."""
+        total = 0
+        names = set(image_names(staging_fd))
+        for pagemap in sorted(n for n in names if n.startswith("pagemap") and n.endswith(".img")):
+            pages_id, entries = criu.pagemap_entries(staging_fd, pagemap)
+            pages = f"pages-{pages_id}.img"
+            if pages in names:
+                raise _untrusted(f"{pages} came with the images and from the source")
+            task = pagemap.removeprefix("pagemap-").removesuffix(".img")
+            lazy_ok = task.isdigit() and not everything
+            m = _Map(pages)
+            eager: list[tuple[int, int]] = []  # (offset, bytes)
+            offset = 0
+            for vaddr, nr, flags in entries:
+                if flags & PE_PARENT:
+                    raise _untrusted(f"{pagemap} has pages in a parent snapshot")
+                if not flags & PE_PRESENT:
+                    continue
+                if lazy_ok and flags & PE_LAZY:
+                    m.starts.append(vaddr)
+                    m.ranges.append((vaddr, nr, offset))
+                else:
+                    eager.append((offset, nr * PAGE))
+                offset += nr * PAGE
+            fd = os.open(pages, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600, dir_fd=staging_fd)
+            try:
+                os.fchown(fd, owner.uid, owner.gid)  # CRIU may read it as the caller
+                os.ftruncate(fd, offset)
+                for at, size in eager:
+                    for part in range(at, at + size, FILL_CHUNK):
+                        n = min(FILL_CHUNK, at + size - part)
+                        data = self._ask(pages, part, n)
+                        if os.pwrite(fd, data, part) != n:
+                            raise OSError("short write")
+            finally:
+                os.close(fd)
+            if m.ranges:
+                self.maps[int(task)] = m
+            names.add(pages)
+            total += offset
+        return total
+
+    def _ask(self, pages: str, offset: int, length: int) -> bytearray:
+        self._send_ask(pages, offset, length)
+        return self._read_exact(length)
+
+    def _send_ask(self, pages: str, offset: int, length: int) -> None:
+        name = pages.encode()
+        self.sock.sendall(struct.pack("<I", len(name)) + name + ASK.pack(offset, length))
+
+    def _read_exact(self, length: int) -> bytearray:
+        buf = bytearray(length)
+        view, got = memoryview(buf), 0
+        while got < length:
+            n = self.sock.recv_into(view[got:])
+            if n == 0:
+                raise _untrusted(f"the source closed after {got} of {length} bytes")
+            got += n
+        return buf
+
+    # -- serving CRIU's page daemon
+
+    def daemon_socket(self) -> socket.socket:
+        """The end the daemon gets (``--ps-socket``); the helper serves the other one."""
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        answers: queue.Queue[tuple[bytes, int] | None] = queue.Queue()
+        for target, args in ((self._requests, (mine, answers)), (self._answers, (mine, answers))):
+            t = threading.Thread(target=target, args=args, daemon=True,
+                                 name=f"page-source-{target.__name__}")
+            t.start()
+            self._threads.append(t)
+        return theirs
+
+    def _requests(self, daemon: socket.socket, answers: queue.Queue) -> None:
+        try:
+            while True:
+                head = _recv_all(daemon, IOV.size)
+                if head is None:
+                    return
+                cmd, nr, vaddr, dst = IOV.unpack(head)
+                if cmd in (PS_IOV_CLOSE, PS_IOV_FORCE_CLOSE):
+                    answers.put((b"close", 0))
+                    return
+                if cmd != PS_IOV_GET or nr <= 0 or nr * PAGE > MAX_ASK or dst not in self.maps:
+                    raise ValueError(f"unexpected request {cmd:#x} for {dst} ({nr} pages)")
+                m = self.maps[dst]
+                offset, count = m.find(vaddr, nr)
+                self._send_ask(m.pages, offset, count * PAGE)
+                reply = IOV.pack(PS_IOV_ADD_F | (PE_PRESENT << PS_CMD_BITS), count, vaddr, dst)
+                answers.put((reply, count * PAGE))
+        except Exception as exc:  # noqa: BLE001 - any failure ends the stream, with its reason
+            self._fail(f"the page daemon's request: {exc}")
+        finally:
+            answers.put(None)
+
+    def _answers(self, daemon: socket.socket, answers: queue.Queue) -> None:
+        try:
+            while (item := answers.get()) is not None:
+                reply, length = item
+                if reply == b"close":
+                    daemon.sendall(struct.pack("<i", 0))
+                    return
+                data = self._read_exact(length)
+                daemon.sendall(reply)
+                daemon.sendall(data)
+        except RequestError as exc:
+            self._fail(exc.message)
+        except OSError as exc:
+            self._fail(f"serving the page daemon: {exc.strerror or exc}")
+        finally:
+            self.close(daemon)
+
+    def _fail(self, why: str) -> None:
+        if self.error is None:
+            self.error = why
+            log.warning("lazy restore: %s", why)
+
+    def close(self, daemon: socket.socket | None = None) -> None:
+        """Let go of the source (and the daemon's end): the daemon's reads end with it."""
+        for sk in (daemon, self.sock):
+            if sk is not None:
+                with contextlib.suppress(OSError):
+                    sk.shutdown(socket.SHUT_RDWR)
+                sk.close()
+
+
+def _recv_all(sk: socket.socket, n: int) -> bytes | None:
+    """``n`` bytes, or None at a clean end before the first."""
+    data = b""
+    while len(data) < n:
+        part = sk.recv(n - len(data))
+        if not part:
+            if data:
+                raise ValueError("the page daemon's request was cut short")
+            return None
+        data += part
+    return data

@@ -1,0 +1,161 @@
+"""Restores whose page files are served by the caller over a socket (page_source.py): the
+kernel answers, every page arrives from the source and nothing else, a source that stops
+mid-stream ends the kernel with the reason, and a socket served by another account or bad
+requests are refused before any kernel is touched."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import struct
+import threading
+from pathlib import Path
+
+import pytest
+from helperkit import Kernel, needs_root_and_criu
+
+from infinijup.errors import InfinijupError
+
+pytestmark = needs_root_and_criu
+
+MIB = 256
+FILL = (f"import os, hashlib\nblob = bytearray(os.urandom({MIB} << 20))\n"
+        "digest = hashlib.blake2b(blob).hexdigest()")
+CHECK = "hashlib.blake2b(blob).hexdigest() == digest"
+
+
+class FileSource:
+    """Serves page files from a directory, as the server serves them from its store; after
+    ``stop_after`` bytes it closes the connection (``stopped`` is set then)."""
+
+    def __init__(self, where: Path, files: Path, stop_after: int | None = None) -> None:
+        self.files = files
+        self.stop_after = stop_after
+        self.served = 0
+        self.asked: list[tuple[str, int, int]] = []
+        self.stopped = threading.Event()
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(where))
+        self.listener.listen(1)
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self.listener.accept()
+        with conn:
+            f = conn.makefile("rb")
+            while head := f.read(4):
+                name = f.read(struct.unpack("<I", head)[0]).decode()
+                offset, length = struct.unpack("<QQ", f.read(16))
+                self.asked.append((name, offset, length))
+                if self.stop_after is not None and self.served + length > self.stop_after:
+                    self.stopped.set()
+                    return
+                with open(self.files / name, "rb") as src:
+                    conn.sendall(os.pread(src.fileno(), length, offset))
+                self.served += length
+
+    def close(self) -> None:
+        self.listener.close()
+        self.thread.join(timeout=60)
+
+
+def _dump_without_pages(client, kernel: Kernel, tmp_path: Path) -> tuple[str, Path, int]:  # noqa: ANN001
+    kernel.execute(FILL, timeout=120)
+    images = os.path.join(client.work_dir(), f"source-{kernel.pid}")
+    client.dump(kernel.pid, images)
+    kernel.execute("blob[:8] = b'changed!'")
+    kept = tmp_path / "pages"
+    kept.mkdir()
+    total = 0
+    for name in os.listdir(images):
+        if name.startswith("pages-"):
+            total += os.path.getsize(Path(images) / name)
+            shutil.move(Path(images) / name, kept / name)
+    return images, kept, total
+
+
+def test_pages_come_from_the_source_and_every_one_arrives(client, kernel: Kernel, trees,
+                                                          tmp_path) -> None:
+    images, kept, total = _dump_without_pages(client, kernel, tmp_path)
+    source = FileSource(Path(images) / "pages.sock", kept)
+    try:
+        restored = client.restore(images, replace_pid=kernel.pid, lazy=True,
+                                  page_source="pages.sock")
+        trees.add(restored.pid)
+        assert restored.pages is not None, restored
+        kernel.wait_answering(timeout=60)
+        assert kernel.evaluate(ok=CHECK, head="bytes(blob[:8]) != b'changed!'") == {
+            "ok": "True", "head": "True"}
+        from test_helper_lazy_restore import _wait
+
+        done = _wait(lambda: (s := client.status(restored.pid).pages)["state"] != "streaming"
+                     and s, "the page daemon to finish")
+        assert done["state"] == "resident", done
+        source.thread.join(timeout=60)
+        # every page came from the source, each once, in ranges of the page files only
+        assert source.served == total, (source.served, total)
+        assert {name for name, _, _ in source.asked} <= set(os.listdir(kept))
+        assert not any(n.startswith("pages-") for n in os.listdir(images))
+    finally:
+        source.close()
+    client.release(images)
+
+
+def test_a_source_that_stops_mid_stream_ends_the_kernel_with_the_reason(
+        client, kernel: Kernel, trees, tmp_path) -> None:
+    images, kept, total = _dump_without_pages(client, kernel, tmp_path)
+    source = FileSource(Path(images) / "pages.sock", kept, stop_after=total // 2)
+    try:
+        restored = client.restore(images, replace_pid=kernel.pid, lazy=True,
+                                  page_source="pages.sock")
+        trees.add(restored.pid)
+        assert source.stopped.wait(120), "the source was never asked for half the pages"
+        from test_helper_lazy_restore import _wait
+
+        status = _wait(lambda: (s := client.status(restored.pid)).pages["state"] != "streaming"
+                       and s, "the page daemon to end")
+        assert status.pages["state"] == "failed", status
+        assert "the source closed" in status.pages["error"], status.pages["error"]
+        _wait(lambda: not client.status(restored.pid).alive, "the kernel to be ended")
+    finally:
+        source.close()
+    # the snapshot is intact: with its page files back, a restore has every byte
+    for name in os.listdir(kept):
+        shutil.copy2(kept / name, Path(images) / name)
+    os.unlink(Path(images) / "pages.sock")
+    again = client.restore(images)
+    trees.add(again.pid)
+    kernel.wait_answering(timeout=60)
+    assert kernel.evaluate(ok=CHECK) == {"ok": "True"}
+    client.release(images)
+
+
+def test_a_socket_served_by_another_account_is_refused(client, kernel: Kernel, trees,
+                                                       tmp_path) -> None:
+    images, _, _ = _dump_without_pages(client, kernel, tmp_path)
+    where = str(Path(images) / "pages.sock")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # another account serves the socket the caller named (listen() sets the
+        try:      # credentials a client sees)
+            other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            other.bind(where)
+            os.setgid(65534)
+            os.setuid(65534)
+            other.listen(1)
+            os.write(w, b"1")
+            other.accept()[0].recv(1)
+        finally:
+            os._exit(0)
+    try:
+        os.read(r, 1)
+        with pytest.raises(InfinijupError, match="served by uid 65534"):
+            client.restore(images, replace_pid=kernel.pid, lazy=True, page_source="pages.sock")
+        assert kernel.evaluate(head="bytes(blob[:8])") == {"head": repr(b"changed!")}
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    client.release(images)
+
