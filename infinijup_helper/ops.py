@@ -256,7 +256,9 @@ class Operations:
             "uid": caller.uid,
             "work_dir": self.work.user_dir(caller),
             "arena_dir": self._arena_dir(caller),
-            "features": {"cuda": self.features.cuda, "pid_namespace": self.pid_namespace},
+            "features": {"cuda": self.features.cuda, "pid_namespace": self.pid_namespace,
+                         # this caller's restores can be lazy (else whole: see _whole_why)
+                         "lazy_pages": caller.is_root and self._whole_why(None) is None},
         }
 
     def spawn(self, caller: Caller, args: p.SpawnArgs, progress: Progress) -> Result:

@@ -31,6 +31,7 @@ from ..store.objects import Blob, File
 from ..store.thinned import CommitThinned
 from ..store.writer import entries_from_dir
 from .hot_tier import HotTier, _allocated
+from .store_pages import SOCKET, StorePages, checkout_except_pages
 
 Progress = Callable[[str, dict], None]
 _TAGGED = re.compile(r"^(\d+)\.(\d+)\.[0-9a-f]{32}$")  # <pid>.<start time>.<uuid>
@@ -145,6 +146,8 @@ class SnapshotEngine:
         self.lazy_restore = lazy_restore  # restores run before the memory is back (helper)
         self._work_dir: Path | None = None
         self._hot: HotTier | None = None
+        self._lazy_here: bool | None = None  # the helper takes our restores lazily
+        self._page_sources: dict[str, StorePages] = {}  # images dir -> its pages' server
 
     def work_dir(self) -> Path:
         if self._work_dir is None:
@@ -177,6 +180,9 @@ class SnapshotEngine:
         return self._hot
 
     def _discard(self, path: Path) -> None:
+        source = self._page_sources.pop(str(path), None)
+        if source is not None:  # materialized, never restored
+            source.stop_listening()
         shutil.rmtree(path, ignore_errors=True)
         if path.exists():
             try:
@@ -364,7 +370,10 @@ class SnapshotEngine:
                 info.update(source="hot", checkout_s=time.perf_counter() - t0)
             return target
         try:
-            store_checkout.checkout_dir(self.repo, commit_id, target)
+            if self._pages_from_store():
+                self._checkout_serving_pages(commit_id, target)
+            else:
+                store_checkout.checkout_dir(self.repo, commit_id, target)
         except CommitThinned:  # no damage: its images went with age (409, the reason)
             self._discard(target)
             raise
@@ -386,8 +395,23 @@ class SnapshotEngine:
             self._discard(target)
             raise
         if info is not None:
-            info.update(source="store", checkout_s=time.perf_counter() - t0)
+            info.update(source="store", checkout_s=time.perf_counter() - t0,
+                        pages_from_store=str(target) in self._page_sources)
         return target
+
+    def _pages_from_store(self) -> bool:
+        """Restores leave the page files in the store (store_pages.py) where they are lazy:
+        the kernel runs once the small images are out, its memory follows from the store."""
+        if not self.lazy_restore:
+            return False
+        if self._lazy_here is None:
+            self._lazy_here = bool(self.helper.hello().features.get("lazy_pages"))
+        return self._lazy_here
+
+    def _checkout_serving_pages(self, commit_id: str, target: Path) -> None:
+        pages = checkout_except_pages(self.repo, commit_id, target)
+        if pages:
+            self._page_sources[str(target)] = StorePages(self.repo, pages, target / SOCKET)
 
     def _link_hot(self, commit_id: str, target: Path) -> bool:
         if self.hot_tier_bytes <= 0:
@@ -417,11 +441,13 @@ class SnapshotEngine:
                 started.append(phase)
             on_progress(phase, detail)
 
+        source = self._page_sources.pop(str(images), None)
         try:
             result = self.helper.restore(str(images), replace_pid=replace_pid,
                                          on_progress=progress, gpu_map=gpu_map,
                                          path_map=path_map, log_path=log_path,
-                                         lazy=self.lazy_restore)
+                                         lazy=self.lazy_restore,
+                                         page_source=SOCKET if source is not None else None)
         except InfinijupError as exc:
             if getattr(exc, "reason", None) == "missing_files":  # refused before any kill
                 raise PreflightRefused(f"cannot restore here: {exc}",
@@ -433,6 +459,8 @@ class SnapshotEngine:
                                      and "restore" in started)
             raise failed from exc
         finally:
+            if source is not None:
+                source.stop_listening()  # the helper has connected by now, or never will
             self._discard(images)
         phases = dict(result.phases)
         if self.lazy_restore:  # the memory still streaming in, or why it was restored whole

@@ -155,6 +155,7 @@ class RestoreRun:
                 "duration_s": time.perf_counter() - self.t0,
                 "phases": {**phases, "checkout_s": source.get("checkout_s"),
                            "images": source.get("source"),
+                           "pages_from_store": source.get("pages_from_store", False),
                            **({"pulled": source["pulled"]} if "pulled" in source else {}),
                            "reconnect_s": reconnect_s, "answer_s": answer_s}}
 

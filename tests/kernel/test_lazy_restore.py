@@ -41,8 +41,17 @@ async def test_lazy_restores_from_hot_tier_and_store_keep_every_byte(notebook, j
     r = await nb.restore(again["commit"])
     assert r["phases"]["images"] == "store", r
     assert r["phases"]["pages"]["state"] in ("streaming", "resident"), r
+    # the page files were never checked out: the helper asked the server for them, which
+    # read them from the store (engine/store_pages.py)
+    assert r["phases"]["pages_from_store"] is True, r
     assert await nb.value(DIGEST) == digest
     assert await nb.value("x") == "snapshotted"
+    pages = (await _status(nb))["pages"]
+    while pages["state"] == "streaming":
+        await asyncio.sleep(0.05)
+        pages = (await _status(nb))["pages"]
+    assert pages["state"] == "resident", pages
+    assert await nb.value(DIGEST) == digest
 
 
 async def _status(nb) -> dict:

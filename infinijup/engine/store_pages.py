@@ -1,0 +1,156 @@
+"""A restore from the store without checking the page files out (issue 32).
+
+``checkout_except_pages`` writes a commit's images into a fresh directory, all but the page
+files (``pages-*.img``: nearly all of a kernel's bytes), and ``StorePages`` serves those from
+the store on a unix socket in that directory, which the helper is told of
+(``RestoreArgs.page_source``; infinijup_helper/page_source.py has the wire format). The
+helper asks for the few pages CRIU restores itself at once, and for the rest as the kernel
+touches them or as CRIU's page daemon streams them in behind the running kernel. Each range
+is read from the chunks that hold it, verified as a checkout verifies them.
+
+The server serves with its own credentials: the helper checks that the socket's peer is the
+caller. One connection; the serving thread ends when the helper lets go (the memory is back,
+or the restore failed). The packs that hold the pages are opened before the restore starts,
+so the remote tier's eviction or a gc meanwhile cannot take them from under the stream.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import socket
+import struct
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+from ..store.checkout import Materializer
+from ..store.errors import ObjectMissing
+from ..store.reader import ObjectReader
+from ..store.thinned import refuse_thinned
+
+log = logging.getLogger(__name__)
+
+SOCKET = "pages.sock"
+CACHE_CHUNKS = 64  # decoded chunks kept: the daemon asks page by page near each other
+
+
+def is_page_file(name: str) -> bool:
+    return name.startswith("pages-") and name.endswith(".img")
+
+
+def checkout_except_pages(repo, commit_id: str, target: Path) -> dict[str, str]:  # noqa: ANN001
+    """Write the commit's images into ``target`` (created, must not exist) except its page
+    files; those files' blob ids by name."""
+    commit = repo.get_commit(commit_id)
+    refuse_thinned(repo, commit.id)
+    os.mkdir(target, 0o700)
+    pages = {}
+    with Materializer(repo) as m:
+        for entry in repo.get_tree(commit.tree):
+            if entry.kind == "file" and is_page_file(entry.name):
+                pages[entry.name] = entry.id
+            elif entry.kind == "file":
+                m.file(entry, target / entry.name)
+            elif entry.kind == "dir":
+                os.mkdir(target / entry.name, 0o700)
+                m.tree(entry.id, target / entry.name)
+                os.chmod(target / entry.name, entry.mode)
+            else:
+                os.symlink(entry.target, target / entry.name)
+    return pages
+
+
+class _Blob:
+    def __init__(self, repo, blob_id: str) -> None:  # noqa: ANN001
+        self.size, self.chunks = repo.get_blob_chunks(blob_id)
+        self.locs = repo.index.lookup_many(self.chunks)
+        missing = [c for c in self.chunks if c not in self.locs]
+        if missing:
+            raise ObjectMissing(f"chunk {missing[0].hex()} is not in the store")
+        self.starts, at = [], 0
+        for c in self.chunks:
+            self.starts.append(at)
+            at += self.locs[c].raw_length
+
+
+class StorePages:
+    """Serves the page files of one restore from the store (see the module docs)."""
+
+    def __init__(self, repo, pages: dict[str, str], where: Path) -> None:  # noqa: ANN001
+        self.reader = ObjectReader(repo)
+        self.files = {name: _Blob(repo, blob) for name, blob in pages.items()}
+        # every pack opened now: one the remote tier evicts or gc removes while the pages
+        # stream stays readable through its descriptor
+        for blob in self.files.values():
+            for loc in blob.locs.values():
+                self.reader.pack_fd(loc.pack)
+        self.served = 0
+        self.error: str | None = None
+        self._cache: OrderedDict[bytes, bytes] = OrderedDict()
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self._listener.bind(str(where))
+        self._listener.listen(1)
+        self._thread = threading.Thread(target=self._serve, name="store-pages", daemon=True)
+        self._thread.start()
+
+    def stop_listening(self) -> None:
+        """The helper connected already, or never will (its restore returned): a connection
+        made is served on; none made, the thread ends."""
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def _serve(self) -> None:
+        try:
+            conn, _ = self._listener.accept()
+        except OSError:
+            self.reader.close()
+            return  # closed before anyone connected
+        try:
+            with conn:
+                f = conn.makefile("rb")
+                while head := f.read(4):
+                    name = f.read(min(struct.unpack("<I", head)[0], 64)).decode()
+                    offset, length = struct.unpack("<QQ", f.read(16))
+                    conn.sendall(self.read(name, offset, length))
+                    self.served += length
+        except Exception as exc:  # noqa: BLE001 - the helper sees the connection end
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.warning("serving a restore's pages from the store: %s", self.error)
+        finally:
+            self.reader.close()
+
+    def read(self, name: str, offset: int, length: int) -> bytes:
+        blob = self.files[name]
+        if offset + length > blob.size:
+            raise ValueError(f"{name}: {offset}+{length} is past its {blob.size} bytes")
+        out = bytearray()
+        i = bisect.bisect_right(blob.starts, offset) - 1
+        end = offset + length
+        while offset < end:
+            chunk = self._chunk(blob, i)
+            skip = offset - blob.starts[i]
+            part = chunk[skip:skip + end - offset]
+            out += part
+            offset += len(part)
+            i += 1
+        return bytes(out)
+
+    def _chunk(self, blob: _Blob, i: int) -> bytes:
+        oid = blob.chunks[i]
+        data = self._cache.get(oid)
+        if data is None:
+            data = self.reader.read(oid, blob.locs[oid])  # verified
+            self._cache[oid] = data
+            if len(self._cache) > CACHE_CHUNKS:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(oid)
+        return data
