@@ -9,8 +9,10 @@ encrypted one (``Repository.init(encrypt=...)``), then checked out of each, the 
 alternating which goes first, ``--runs`` times; the table gives medians of wall time and of
 the process's CPU seconds (all threads), and the encrypted store's time as a share of the
 plain one's (issue 31 aims at no more than 110%). Checkouts read warm packs (both stores'
-packs fit in the page cache), so the table measures the CPU work restore adds: opening each
-chunk (AES-256-GCM) and keyed instead of plain BLAKE3. ``--threads 1`` checks out on one
+packs fit in the page cache), so the table measures the CPU work restore adds or saves:
+opening each chunk (AES-256-GCM), where a plain store re-hashes it (BLAKE3; an encrypted
+store's checkout relies on the tags, docs/store.md). This is the checkout alone; a kernel's
+restore through the store is bench/encrypted_restore_bench.py. ``--threads 1`` checks out on one
 thread (the CPU seconds are then least disturbed by other work on the machine); the default
 is the store's (one per core, at most 8).
 """

@@ -12,7 +12,11 @@ of raw chunks. All-zero chunks are not written (they stay holes). A chunk stored
 delta is a run of its own: its payload is read the same way, its sources are read through
 ``ObjectReader`` and the rebuilt chunk is verified as a whole. In an encrypted store each
 chunk of a run is opened (AES-256-GCM) after the read, into one buffer of payloads that
-is then decoded as a plain run, and ids are keyed.
+is then decoded as a plain run, and ids are keyed; its raw and zstd chunks are not hashed
+again: the tag of each (its keyed id, type and compression are the associated data) already
+proved that the payload is the one a key holder sealed under that id, and a flipped or moved
+byte fails it (docs/store.md, "Verifying an encrypted store's reads", says why that is
+enough and what only ``store check --read-data`` still finds). Rebuilt deltas are verified.
 """
 
 from __future__ import annotations
@@ -205,8 +209,8 @@ class Materializer:
         return fut
 
     def _write_runs(self, fd: int, runs: list[Run]) -> None:
-        """Worker job: read, verify and write runs (delta chunks last, their sources looked
-        up in one query)."""
+        """Worker job: read, verify (a plain store's by BLAKE3, an encrypted one's by the
+        tags) and write runs (delta chunks last, their sources looked up in one query)."""
         deltas: list[tuple[bytes, Location, bytes, int]] = []
         for pack, start, stored, file_offset, items in runs:
             buf = self._buffer(stored)
@@ -225,12 +229,11 @@ class Materializer:
                                file_offset))
                 continue
             out = self._decode_run(buf, pack, items)
-            if self._key is not None:
-                keyed = self._key.object_id
+            if self._key is not None:  # opened: each tag proved its payload is its id's
                 for (cid, _length, raw, _comp), data in zip(items, out, strict=True):
-                    if len(data) != raw or keyed(data) != cid:
+                    if len(data) != raw:  # the index's raw length is not sealed
                         raise ChecksumMismatch(
-                            f"object {cid.hex()} in pack {pack}: checksum mismatch")
+                            f"object {cid.hex()} in pack {pack}: {len(data)} bytes, not {raw}")
                 pwritev_all(fd, out, file_offset)
                 continue
             for (cid, _length, raw, _comp), data in zip(items, out, strict=True):
