@@ -13,7 +13,8 @@ the images dir and names it (``RestoreArgs.page_source``). The helper then:
   on a socketpair, in CRIU's page-server protocol, asking the source for each range the
   daemon wants. The daemon never talks to the caller: each of its requests is checked
   against the pagemaps (the process, the address, the count) before anything is asked, and
-  the source's answer is only bytes of an exact, known length.
+  the source's answer is only bytes of an exact, known length. This runs in a process of its
+  own (``main``), so that the stream outlives a helper that dies or restarts.
 
 Wire to the source, per range: ``u32`` name length, the page file's name (``pages-N.img``),
 ``u64`` offset, ``u64`` length; the answer is those bytes. A short answer, a closed
@@ -26,12 +27,14 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import logging
+import json
 import os
 import queue
 import socket
 import stat
 import struct
+import subprocess
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,8 +42,6 @@ from typing import Any
 from .criu import PE_PARENT, PE_PRESENT, image_names
 from .proc import Caller
 from .protocol import RequestError
-
-log = logging.getLogger(__name__)
 
 PAGE = 4096
 PE_LAZY = 2
@@ -105,8 +106,9 @@ class PageSource:
             self.sock.close()
             raise
         self.maps: dict[int, _Map] = {}
-        self.error: str | None = None
-        self._threads: list[threading.Thread] = []
+        self.proxy: subprocess.Popen | None = None
+        self._err: int | None = None
+        self._why: str | None = None
 
     # -- the staged page files
 
@@ -156,87 +158,156 @@ class PageSource:
         return total
 
     def _ask(self, pages: str, offset: int, length: int) -> bytearray:
-        self._send_ask(pages, offset, length)
-        return self._read_exact(length)
-
-    def _send_ask(self, pages: str, offset: int, length: int) -> None:
-        name = pages.encode()
-        self.sock.sendall(struct.pack("<I", len(name)) + name + ASK.pack(offset, length))
-
-    def _read_exact(self, length: int) -> bytearray:
-        buf = bytearray(length)
-        view, got = memoryview(buf), 0
-        while got < length:
-            n = self.sock.recv_into(view[got:])
-            if n == 0:
-                raise _untrusted(f"the source closed after {got} of {length} bytes")
-            got += n
-        return buf
+        _send_ask(self.sock, pages, offset, length)
+        return _read_exact(self.sock, length)
 
     # -- serving CRIU's page daemon
 
     def daemon_socket(self) -> socket.socket:
-        """The end the daemon gets (``--ps-socket``); the helper serves the other one."""
+        """The end the daemon gets (``--ps-socket``). The other end and the caller's
+        connection go to a process of their own (``main``), not a thread of the helper's:
+        a helper that dies or restarts mid-stream must not end the stream, or the kernel's
+        faults would see zero pages once the daemon failed with nobody left to end the tree
+        (lazy_pages.py)."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        answers: queue.Queue[tuple[bytes, int] | None] = queue.Queue()
-        for target, args in ((self._requests, (mine, answers)), (self._answers, (mine, answers))):
-            t = threading.Thread(target=target, args=args, daemon=True,
-                                 name=f"page-source-{target.__name__}")
-            t.start()
-            self._threads.append(t)
+        err_r, err_w = os.pipe()
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        maps = {str(pid): [m.pages, m.ranges] for pid, m in self.maps.items()}
+        try:
+            self.proxy = subprocess.Popen(
+                [sys.executable, "-I", "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                 "from infinijup_helper.page_source import main; main()", here,
+                 str(mine.fileno()), str(self.sock.fileno()), str(err_w)],
+                pass_fds=(mine.fileno(), self.sock.fileno(), err_w), stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/",
+                env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, start_new_session=True)
+            assert self.proxy.stdin is not None
+            self.proxy.stdin.write(json.dumps(maps).encode())
+            self.proxy.stdin.close()
+        except BaseException:
+            os.close(err_r)
+            theirs.close()
+            raise
+        finally:
+            os.close(err_w)
+            mine.close()
+            self.sock.close()  # the proxy's now
+        self._err = err_r
         return theirs
 
-    def _requests(self, daemon: socket.socket, answers: queue.Queue) -> None:
+    @property
+    def error(self) -> str | None:
+        """What ended the proxy's stream early, once it has exited (None: nothing)."""
+        if self._err is None:
+            return self._why
+        if self.proxy is not None:
+            try:
+                self.proxy.wait(timeout=5)  # it writes why, then exits
+            except subprocess.TimeoutExpired:
+                self.proxy.kill()
+                self.proxy.wait()
+        with os.fdopen(self._err, "rb") as f:
+            self._err = None
+            self._why = f.read(4096).decode(errors="replace").strip() or None
+        return self._why
+
+    def close(self) -> None:
+        """Stop serving: the daemon's reads end with it."""
+        if self.proxy is not None and self.proxy.poll() is None:
+            self.proxy.kill()
+            self.proxy.wait()
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+def main() -> None:
+    """The proxy process: ``argv``: the daemon's socket, the caller's, an error pipe; the
+    lazy ranges on stdin (JSON). Exits when the daemon says it is done or either side ends."""
+    daemon = socket.socket(fileno=int(sys.argv[2]))
+    source = socket.socket(fileno=int(sys.argv[3]))
+    err = int(sys.argv[4])
+    maps = {int(pid): _Map(pages, [r[0] for r in ranges], [tuple(r) for r in ranges])
+            for pid, (pages, ranges) in json.loads(sys.stdin.buffer.read()).items()}
+    proxy = _Proxy(daemon, source, maps)
+    threads = [threading.Thread(target=proxy.requests), threading.Thread(target=proxy.answers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if proxy.error:
+        os.write(err, proxy.error.encode()[:4096])
+    os._exit(0)
+
+
+class _Proxy:
+    """The daemon's requests, checked and asked of the source; the answers, in order."""
+
+    def __init__(self, daemon: socket.socket, source: socket.socket,
+                 maps: dict[int, _Map]) -> None:
+        self.daemon, self.source, self.maps = daemon, source, maps
+        self.queue: queue.Queue[tuple[bytes, int] | None] = queue.Queue()
+        self.error: str | None = None
+
+    def requests(self) -> None:
         try:
             while True:
-                head = _recv_all(daemon, IOV.size)
+                head = _recv_all(self.daemon, IOV.size)
                 if head is None:
                     return
                 cmd, nr, vaddr, dst = IOV.unpack(head)
                 if cmd in (PS_IOV_CLOSE, PS_IOV_FORCE_CLOSE):
-                    answers.put((b"close", 0))
+                    self.queue.put((b"close", 0))
                     return
                 if cmd != PS_IOV_GET or nr <= 0 or nr * PAGE > MAX_ASK or dst not in self.maps:
                     raise ValueError(f"unexpected request {cmd:#x} for {dst} ({nr} pages)")
                 m = self.maps[dst]
                 offset, count = m.find(vaddr, nr)
-                self._send_ask(m.pages, offset, count * PAGE)
+                _send_ask(self.source, m.pages, offset, count * PAGE)
                 reply = IOV.pack(PS_IOV_ADD_F | (PE_PRESENT << PS_CMD_BITS), count, vaddr, dst)
-                answers.put((reply, count * PAGE))
+                self.queue.put((reply, count * PAGE))
         except Exception as exc:  # noqa: BLE001 - any failure ends the stream, with its reason
             self._fail(f"the page daemon's request: {exc}")
         finally:
-            answers.put(None)
+            self.queue.put(None)
 
-    def _answers(self, daemon: socket.socket, answers: queue.Queue) -> None:
+    def answers(self) -> None:
         try:
-            while (item := answers.get()) is not None:
+            while (item := self.queue.get()) is not None:
                 reply, length = item
                 if reply == b"close":
-                    daemon.sendall(struct.pack("<i", 0))
+                    self.daemon.sendall(struct.pack("<i", 0))
                     return
-                data = self._read_exact(length)
-                daemon.sendall(reply)
-                daemon.sendall(data)
+                data = _read_exact(self.source, length)
+                self.daemon.sendall(reply)
+                self.daemon.sendall(data)
         except RequestError as exc:
             self._fail(exc.message)
         except OSError as exc:
             self._fail(f"serving the page daemon: {exc.strerror or exc}")
         finally:
-            self.close(daemon)
+            for sk in (self.daemon, self.source):
+                with contextlib.suppress(OSError):
+                    sk.shutdown(socket.SHUT_RDWR)
 
     def _fail(self, why: str) -> None:
         if self.error is None:
             self.error = why
-            log.warning("lazy restore: %s", why)
 
-    def close(self, daemon: socket.socket | None = None) -> None:
-        """Let go of the source (and the daemon's end): the daemon's reads end with it."""
-        for sk in (daemon, self.sock):
-            if sk is not None:
-                with contextlib.suppress(OSError):
-                    sk.shutdown(socket.SHUT_RDWR)
-                sk.close()
+
+def _send_ask(sk: socket.socket, pages: str, offset: int, length: int) -> None:
+    name = pages.encode()
+    sk.sendall(struct.pack("<I", len(name)) + name + ASK.pack(offset, length))
+
+
+def _read_exact(sk: socket.socket, length: int) -> bytearray:
+    buf = bytearray(length)
+    view, got = memoryview(buf), 0
+    while got < length:
+        n = sk.recv_into(view[got:])
+        if n == 0:
+            raise _untrusted(f"the source closed after {got} of {length} bytes")
+        got += n
+    return buf
 
 
 def _recv_all(sk: socket.socket, n: int) -> bytes | None:

@@ -361,8 +361,10 @@ class SnapshotEngine:
 
     def materialize(self, commit_id: str, info: dict | None = None) -> Path:
         """A commit's images in a fresh directory of the helper's work area: linked from the
-        hot tier when it holds them, else checked out of the store. ``info`` gets
-        ``source`` ("hot" or "store") and ``checkout_s``."""
+        hot tier when it holds them, else checked out of the store (but for the page files,
+        which the store serves as the restore needs them, where ``info["pages_may_stream"]``
+        and the helper restores lazily: store_pages.py). ``info`` gets ``source`` ("hot" or
+        "store"), ``checkout_s`` and ``pages_from_store``."""
         t0 = time.perf_counter()
         target = self._new_dir("restore")
         if self._link_hot(commit_id, target):
@@ -370,7 +372,7 @@ class SnapshotEngine:
                 info.update(source="hot", checkout_s=time.perf_counter() - t0)
             return target
         try:
-            if self._pages_from_store():
+            if (info or {}).get("pages_may_stream") and self._pages_from_store():
                 self._checkout_serving_pages(commit_id, target)
             else:
                 store_checkout.checkout_dir(self.repo, commit_id, target)

@@ -73,10 +73,11 @@ def plan(m, km, key: str, ref: str, branch: str | None, force: bool = False,  # 
 async def restore(m, kernel_id: str, ref: str, *, branch: str | None = None,  # noqa: ANN001
                   wait_idle: bool = False, force: bool = False,
                   gpu_map: dict[str, str] | None = None, within: Turn | None = None,
-                  quiet: bool = False) -> dict:
+                  quiet: bool = False, fresh: bool = False) -> dict:
     """Restore snapshot ``ref`` into kernel ``kernel_id`` (``m`` is the SnapshotManager).
     ``within``: the turn of a wake this restore is part of. ``quiet``: a step of an undo or
-    redo (its events say so)."""
+    redo (its events say so). ``fresh``: the kernel was started for this restore (a resume)
+    and holds nothing of the user's."""
     km = m.kernel(kernel_id)
     m.provisioner(km)
     path = await m.notebook_path(kernel_id)
@@ -86,7 +87,7 @@ async def restore(m, kernel_id: str, ref: str, *, branch: str | None = None,  # 
     op = Operation("restore", kernel_id, path, quiet=quiet)
     m.lifecycle.start_operation(op)
     m.events.end(op, "queued")
-    run = RestoreRun(m, km, op, turn, planned, key, branch)
+    run = RestoreRun(m, km, op, turn, planned, key, branch, fresh)
     try:
         if wait_idle:
             await m.wait_idle(km)
@@ -107,8 +108,9 @@ async def restore(m, kernel_id: str, ref: str, *, branch: str | None = None,  # 
 
 class RestoreRun:
     def __init__(self, m, km, op: Operation, turn: Turn, planned: Plan, key: str,  # noqa: ANN001
-                 branch: str | None) -> None:
+                 branch: str | None, fresh: bool = False) -> None:
         self.m, self.km, self.op, self.turn, self.p = m, km, op, turn, planned
+        self.fresh = fresh
         self.prov = km.provisioner
         self.key, self.branch = key, branch
         self.session_key = km.session.key
@@ -121,7 +123,10 @@ class RestoreRun:
         async with Steps(m.log) as step:
             m.events.emit(op, "store", 10)
             engine = m.engine()
-            source: dict = {}
+            # The page files may stay in the store, read as the kernel runs (store_pages.py),
+            # only where no kernel of the user's is replaced: a damaged chunk found then ends
+            # the restored kernel, where a checkout finds it before anything is touched.
+            source: dict = {"pages_may_stream": self.fresh or prov.root_pid is None}
             images = await step("images", m.remote_tier.images(op, engine, p.commit_id, source))
             segments = await step("gpu_segments", self.gpu_segments(images),
                                   undo=lambda: self.gpu_segments_done(segments))

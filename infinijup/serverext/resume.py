@@ -60,7 +60,7 @@ class Resumes:
                                                         kernel_name=kernel)
             kernel_id = session["kernel"]["id"]
             try:
-                result = await restore(m, kernel_id, commit_id, force=force)
+                result = await restore(m, kernel_id, commit_id, force=force, fresh=started)
             except BaseException:
                 if started:
                     if session["id"] is not None:

@@ -10,7 +10,8 @@ import json
 import time
 
 import pytest
-from kernelkit import needs_helper
+from kernelkit import Notebook, needs_helper
+from test_resume import attach
 
 DIGEST = "__import__('hashlib').blake2b(blob).hexdigest()"
 
@@ -41,17 +42,30 @@ async def test_lazy_restores_from_hot_tier_and_store_keep_every_byte(notebook, j
     r = await nb.restore(again["commit"])
     assert r["phases"]["images"] == "store", r
     assert r["phases"]["pages"]["state"] in ("streaming", "resident"), r
-    # the page files were never checked out: the helper asked the server for them, which
-    # read them from the store (engine/store_pages.py)
-    assert r["phases"]["pages_from_store"] is True, r
+    # a live kernel was replaced: the pages were checked out (verified) before it was ended
+    assert r["phases"]["pages_from_store"] is False, r
     assert await nb.value(DIGEST) == digest
     assert await nb.value("x") == "snapshotted"
-    pages = (await _status(nb))["pages"]
-    while pages["state"] == "streaming":
-        await asyncio.sleep(0.05)
-        pages = (await _status(nb))["pages"]
-    assert pages["state"] == "resident", pages
-    assert await nb.value(DIGEST) == digest
+
+    # a resume into a new kernel (nothing of the user's to lose) leaves the page files in
+    # the store: the helper asks the server for them as the kernel runs (store_pages.py)
+    await nb.fetch("api", "kernels", nb.kernel_id, method="DELETE")
+    nb.kernel_id = ""
+    r = await nb.post("resume", {"path": nb.path, "commit": again["commit"]})
+    assert r.code == 200, r.body
+    body = json.loads(r.body)
+    assert body["phases"]["images"] == "store" and body["phases"]["pages_from_store"], body
+    other = await attach(Notebook(nb.fetch, nb.ws_fetch, nb.path), body["kernel_id"])
+    try:
+        assert await other.value(DIGEST) == digest
+        pages = (await _status(other))["pages"]
+        while pages["state"] == "streaming":
+            await asyncio.sleep(0.05)
+            pages = (await _status(other))["pages"]
+        assert pages["state"] == "resident", pages
+        assert await other.value("x") == "snapshotted"
+    finally:
+        await other.close()
 
 
 async def _status(nb) -> dict:
