@@ -37,6 +37,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import shutil
 import statistics
 import sys
 import time
@@ -117,63 +119,94 @@ async def undo_against_restore(server, kernel_id, ws, repeat: int) -> tuple[floa
     return statistics.median(undo_s), statistics.median(restore_s)
 
 
+async def one_run(server: ServerProcess, cells: list[str], on: bool, repeat: int
+                  ) -> tuple[list[float], dict]:
+    """The notebook on a started server; with snapshots on, what they took and held."""
+    kernel_id, times, ws = await run_notebook(server, cells)
+    extra: dict = {}
+    if on:
+        autos = [c for c in history(server, kernel_id)
+                 if (c.get("metadata") or {}).get("auto")]
+        extra["snapshotted"] = len(autos)
+        for c in autos:  # where each one's time went
+            meta, stats = c.get("metadata") or {}, c.get("stats") or {}
+            timings = {k: round(v, 2) for k, v in (meta.get("timings") or {}).items()
+                       if isinstance(v, (int, float))}
+            print(f"  snapshot after [{(meta.get('cell') or {}).get('execution_count')}]: "
+                  f"image {stats.get('image_bytes', 0) / 1e9:.2f} GB, stored "
+                  f"{stats.get('stored_bytes', 0) / 1e6:.1f} MB, {timings}", flush=True)
+        # the cells that were followed by one (their index in ``cells``)
+        extra["cells"] = [
+            count - 2 for c in autos
+            if isinstance(count := ((c.get("metadata") or {}).get("cell") or {})
+                          .get("execution_count"), int)
+            and 2 <= count <= len(times) + 1]
+        if autos and repeat > 0:
+            extra["undo"], extra["restore"] = await undo_against_restore(
+                server, kernel_id, ws, repeat)
+    ws.close()
+    server.request("DELETE", f"/api/kernels/{kernel_id}")
+    return times, extra
+
+
 async def main_async(args) -> None:
     rows = []
+    # off, then on once per ingest priority asked for (side by side in one run)
+    variants = [(False, 0)] + [(True, nice) for nice in args.ingest_nice]
     with helper_in_base() as (base, helper):
         for mib in args.mib:
             cells = notebook(mib, args.fit_s)
-            runs = {}
-            for n, on in enumerate((False, True)):
+            runs = []
+            for n, (on, nice) in enumerate(variants):
                 server = ServerProcess(base / f"server-{mib}-{n}", helper.socket_path,
-                                       str(base / "store"), base / "notebooks",
-                                       manager_config={"autosnapshot": on})
+                                       str(base / f"store-{n}"), base / "notebooks",
+                                       manager_config={"autosnapshot": on,
+                                                       "autosnapshot_after_s": args.after_s,
+                                                       "autosnapshot_ingest_nice": nice})
                 server.start()
                 try:
-                    kernel_id, times, ws = await run_notebook(server, cells)
-                    extra = {}
-                    if on:
-                        autos = [c for c in history(server, kernel_id)
-                                 if (c.get("metadata") or {}).get("auto")]
-                        extra["snapshotted"] = len(autos)
-                        # the cells that were followed by one (their index in ``cells``)
-                        extra["cells"] = [
-                            count - 2 for c in autos
-                            if isinstance(count := ((c.get("metadata") or {}).get("cell") or {})
-                                          .get("execution_count"), int)
-                            and 2 <= count <= len(times) + 1]
-                        if autos:
-                            extra["undo"], extra["restore"] = await undo_against_restore(
-                                server, kernel_id, ws, args.repeat)
-                    ws.close()
-                    server.request("DELETE", f"/api/kernels/{kernel_id}")
+                    what = f"on, ingest nice +{nice}" if on else "off"
+                    print(f"{mib} MiB, snapshots {what} (load {os.getloadavg()[0]:.1f})",
+                          flush=True)
+                    runs.append(await one_run(server, cells, on, args.repeat))
                 finally:
                     server.stop()
-                runs[on] = (times, extra)
-            off, (on_times, extra) = runs[False][0], runs[True]
-            share = max((b - a) / a for a, b in zip(off, on_times, strict=True) if a > 0)
-            # what a snapshot held its cell: that cell's time with snapshots on minus off (the
-            # fit runs for a fixed time, so for it the difference is the snapshot's alone)
-            held = [(on_times[i] - off[i]) / off[i] for i in extra.get("cells", []) if off[i] > 0]
-            extra["pause_share"] = max(held) if held else None
-            row = {"set": f"{mib} MiB", "cells": str(len(cells)),
-                   "off": f"{sum(off):.2f} s", "on": f"{sum(on_times):.2f} s",
-                   "overhead": f"{(sum(on_times) / sum(off) - 1) * 100:+.1f}%",
-                   "worst": f"{share * 100:+.0f}%",
-                   "pause": "-" if extra.get("pause_share") is None
-                   else f"{extra['pause_share'] * 100:.1f}%",
-                   "snapshotted": str(extra.get("snapshotted", 0)),
-                   "undo": f"{extra['undo']:.2f} s" if "undo" in extra else "-",
-                   "restore": f"{extra['restore']:.2f} s" if "restore" in extra else "-"}
-            rows.append(row)
-            print(row, flush=True)
-    print(markdown_table(rows, [("set", "working set"), ("cells", "cells"),
+                    shutil.rmtree(base / f"store-{n}", ignore_errors=True)  # room for the next
+                print("  cells: " + " ".join(f"{t:.2f}" for t in runs[-1][0]), flush=True)
+            off = runs[0][0]
+            for (on_times, extra), (_, nice) in zip(runs[1:], variants[1:], strict=True):
+                rows.append(row_of(mib, cells, off, on_times, extra, nice))
+                print(rows[-1], flush=True)
+    print(markdown_table(rows, [("set", "working set"), ("nice", "ingest nice"),
+                                ("cells", "cells"),
                                 ("off", "notebook, snapshots off"), ("on", "on"),
                                 ("overhead", "overhead"),
                                 ("worst", "worst cell (on vs off)"),
                                 ("snapshotted", "cells snapshotted"),
                                 ("pause", "largest hold / its cell"),
+                                ("after", "cells after the last snapshot, on vs off"),
                                 ("undo", "undo to first cell"),
                                 ("restore", "restore of the same, to first cell")]))
+
+
+def row_of(mib: int, cells: list[str], off: list[float], on_times: list[float], extra: dict,
+           nice: int) -> dict:
+    share = max((b - a) / a for a, b in zip(off, on_times, strict=True) if a > 0)
+    # what a snapshot held its cell: that cell's time with snapshots on minus off (the fit
+    # runs for a fixed time, so for it the difference is the snapshot's alone)
+    held = [(on_times[i] - off[i]) / off[i] for i in extra.get("cells", []) if off[i] > 0]
+    # the cells after the last snapshot run while the store takes its images in
+    last = max(extra.get("cells", []), default=len(cells) - 1)
+    after_off, after_on = sum(off[last + 1:]), sum(on_times[last + 1:])
+    return {"set": f"{mib} MiB", "nice": f"+{nice}", "cells": str(len(cells)),
+            "off": f"{sum(off):.2f} s", "on": f"{sum(on_times):.2f} s",
+            "overhead": f"{(sum(on_times) / sum(off) - 1) * 100:+.1f}%",
+            "worst": f"{share * 100:+.0f}%",
+            "pause": f"{max(held) * 100:.1f}%" if held else "-",
+            "snapshotted": str(extra.get("snapshotted", 0)),
+            "after": f"{after_on:.2f} vs {after_off:.2f} s" if last + 1 < len(cells) else "-",
+            "undo": f"{extra['undo']:.2f} s" if "undo" in extra else "-",
+            "restore": f"{extra['restore']:.2f} s" if "restore" in extra else "-"}
 
 
 def session_cells(n: int) -> list[str]:
@@ -335,6 +368,10 @@ def main() -> None:
     p.add_argument("--mib", type=int, nargs="*", default=[100, 1024])
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--fit-s", type=float, default=20.0, help="seconds of the long fit cell")
+    p.add_argument("--after-s", type=float, default=60.0,
+                   help="autosnapshot_after_s: a cell this long is always snapshotted")
+    p.add_argument("--ingest-nice", type=int, nargs="+", default=[10],
+                   help="autosnapshot_ingest_nice: one run with snapshots on for each")
     p.add_argument("--session", type=int, default=0,
                    help="run a session of this many quick cells instead (the disk aim)")
     p.add_argument("--keep", type=int, default=100, help="with --session: snapshots kept")

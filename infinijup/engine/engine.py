@@ -31,6 +31,7 @@ from ..store.objects import Blob, File
 from ..store.thinned import CommitThinned
 from ..store.writer import entries_from_dir
 from .hot_tier import HotTier, _allocated
+from .niced import run_niced
 from .store_pages import SOCKET, StorePages, checkout_except_pages
 
 Progress = Callable[[str, dict], None]
@@ -139,11 +140,13 @@ def _copy_sparse(fd: int, target: Path) -> None:
 class SnapshotEngine:
     """Snapshot and restore kernel process trees, given a store and a helper client."""
 
-    def __init__(self, repo, helper, hot_tier_bytes: int = 0, lazy_restore: bool = False) -> None:
+    def __init__(self, repo, helper, hot_tier_bytes: int = 0, lazy_restore: bool = False,
+                 ingest_nice: int = 0) -> None:
         self.repo = repo
         self.helper = helper
         self.hot_tier_bytes = hot_tier_bytes  # 0: no hot tier (see hot_tier.py)
         self.lazy_restore = lazy_restore  # restores run before the memory is back (helper)
+        self.ingest_nice = ingest_nice  # a background snapshot's ingest, this much nicer
         self._work_dir: Path | None = None
         self._hot: HotTier | None = None
         self._lazy_here: bool | None = None  # the helper takes our restores lazily
@@ -203,6 +206,7 @@ class SnapshotEngine:
         on_dumped: Callable[[Dumped], None] | None = None,
         replan: Callable[[RefConflict], dict] | None = None,
         extra_files: dict[str, str] | None = None,
+        background: bool = False,
     ) -> DumpResult:
         """Dump the tree rooted at ``pid`` (left running) and commit it on store ``thread``.
 
@@ -214,6 +218,10 @@ class SnapshotEngine:
         ``extra_files``: name -> path of files the kernel wrote while quiesced (its GPU
         segments), stored beside the images. Each is held open under a shared lock from now
         until it is stored: the kernel, running again, waits for that before writing it anew.
+
+        ``background``: nobody waits for the commit (an automatic snapshot): the images are
+        stored ``ingest_nice`` nice levels below the caller, so that the kernel's next cells
+        come first (niced.py).
         """
         t0 = time.perf_counter()
         dumped = self.dump(pid, on_progress)
@@ -228,15 +236,20 @@ class SnapshotEngine:
             t_dump = time.perf_counter()
             target = {"thread": thread, "metadata": metadata, "parents": parents,
                       "expected_tip": expected_tip}
-            for attempt in range(3):
-                try:
-                    commit = self.commit(dumped, message=message, on_progress=on_progress,
-                                         **target)
-                    break
-                except RefConflict as exc:
-                    if replan is None or attempt == 2:
-                        raise
-                    target = replan(exc)
+
+            def store():  # noqa: ANN202
+                nonlocal target
+                for attempt in range(3):
+                    try:
+                        return self.commit(dumped, message=message, on_progress=on_progress,
+                                           **target)
+                    except RefConflict as exc:
+                        if replan is None or attempt == 2:
+                            raise
+                        target = replan(exc)
+                raise AssertionError("unreachable")
+
+            commit = run_niced(store, self.ingest_nice if background else 0)
             t_store = time.perf_counter()
             hot = self.keep_hot(dumped, commit)
         finally:

@@ -77,6 +77,10 @@ class SnapshotManager(LoggingConfigurable):
     autosnapshot_keep_bytes = Integer(0, help="The store bytes automatic snapshots may hold "
                                               "together (0: no limit); past it the oldest are "
                                               "thinned.").tag(config=True)
+    autosnapshot_ingest_nice = Integer(10, help="An automatic snapshot's images are stored "
+                                               "this many nice levels below the server while "
+                                               "the kernel runs its next cells (0: at the "
+                                               "server's priority).").tag(config=True)
     hot_tier_bytes = Integer(help="Bytes of recent snapshots' images kept ready in the helper's "
                                   "work dir, so that restoring them skips the store checkout "
                                   "(default: a quarter of the memory, at most 32 GiB; 0: none)."
@@ -313,7 +317,8 @@ class SnapshotManager(LoggingConfigurable):
     def engine(self) -> SnapshotEngine:
         return SnapshotEngine(self.repo(), HelperClient(config.helper_socket()),
                               hot_tier_bytes=self.hot_tier_bytes,
-                              lazy_restore=self.lazy_restore)
+                              lazy_restore=self.lazy_restore,
+                              ingest_nice=self.autosnapshot_ingest_nice)
 
     def kernel(self, kernel_id: str):
         if kernel_id not in self.kernel_manager.list_kernel_ids():

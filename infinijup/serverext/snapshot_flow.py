@@ -145,7 +145,7 @@ class SnapshotRun:
             storing = asyncio.ensure_future(asyncio.to_thread(
                 m.engine().snapshot, self.prov.root_pid, message=self.message,
                 on_progress=self.progress(gpu), replan=self.replan, extra_files=extra,
-                on_dumped=on_dumped, **target))
+                on_dumped=on_dumped, background=self.is_auto(), **target))
             await asyncio.wait({dumped_at, storing}, return_when=asyncio.FIRST_COMPLETED)
             if dumped_at.done():  # the kernel runs again while its images are stored
                 await step("runs_again", self.runs_again(*dumped_at.result()))
@@ -162,7 +162,7 @@ class SnapshotRun:
             m.heads.set(self.km.kernel_id, Head(commit=commit.id, thread=self.plan.thread,
                                                 base_thread=self.plan.thread), self.prov)
             m.events.emit(op, "done", 100, commit=commit.id, thread=self.plan.thread)
-            if (self.described or {}).get("auto") or self.auto:
+            if self.is_auto():
                 m.retention.after_auto()  # older automatic snapshots thinned (retention.py)
         stats = {"image_bytes": result.image_bytes, "stored_bytes": result.stored_bytes,
                  "pause_s": result.pause_s, "quiesce_s": t_quiesce,
@@ -175,6 +175,9 @@ class SnapshotRun:
         return {"commit": commit.id, "thread": "" if self.kept_aside else self.plan.thread,
                 "parents": list(commit.parents), "stats": stats,
                 **({"aside": True} if self.kept_aside else {})}
+
+    def is_auto(self) -> bool:
+        return bool((self.described or {}).get("auto") or self.auto)
 
     # --- the steps ---------------------------------------------------------------------------
     def plan_now(self) -> dict:  # in a worker thread
