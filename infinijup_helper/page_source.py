@@ -138,6 +138,8 @@ class PageSource:
                 else:
                     eager.append((offset, nr * PAGE))
                 offset += nr * PAGE
+            if offset:  # a source whose file is short fails now, before anything is touched
+                self._ask(pages, offset - PAGE, PAGE)
             fd = os.open(pages, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                          0o600, dir_fd=staging_fd)
             try:
