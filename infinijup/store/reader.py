@@ -2,9 +2,12 @@
 
 ``ObjectReader`` keeps pack files open and one zstd context per thread; it is shared by
 ``Repository.read_object``, checkout (for delta chunks), ``check --read-data``, gc's
-repacking and the writer (which reads a parent's chunks to build deltas). Every plaintext
-it returns has been BLAKE3-verified against its id; a delta's sources are read (and
-verified) the same way, and the rebuilt chunk is verified as a whole.
+repacking, the writer (which reads a parent's chunks to build deltas) and the restore that
+serves page files from the store (engine/store_pages.py). Every plaintext it returns has been
+verified against its id: in a plain store by its BLAKE3; in an encrypted store by opening it
+(its AES-GCM tag binds the keyed id, type and compression) and its length, as checkout does
+(docs/store.md says why no keyed re-hash is needed; ``check --read-data`` still makes one).
+A rebuilt delta chunk is hashed as a whole in both, its sources read without hashing.
 """
 
 from __future__ import annotations
@@ -108,8 +111,9 @@ class ObjectReader:
         payload = self.payload(oid, loc)
         where = f"object {oid.hex()} in pack {loc.pack}"
         if loc.compression != DELTA:
-            return decode_payload(payload, oid, loc.compression, loc.raw_length, where,
-                                  self.repo.key)
+            if self.repo.key is not None:  # opened: its tag verified it, the length is checked
+                return decompress_payload(payload, loc.compression, loc.raw_length, where)
+            return decode_payload(payload, oid, loc.compression, loc.raw_length, where)
         return bytes(self.rebuild(oid, loc, payload, _depth))
 
     def rebuild(self, oid: bytes, loc: Location, payload: bytes, depth: int = 0, *,

@@ -370,9 +370,9 @@ def _pages_chunks(repo: Repository, cid: str) -> list[bytes]:
 
 
 def test_moved_or_resized_chunks_are_refused_on_checkout(tmp_path: Path) -> None:
-    """Checkout does not hash an encrypted store's chunks again: the tags must refuse an
-    index entry pointed at another object's sealed bytes, and the length check a raw length
-    changed in the index (it is not sealed)."""
+    """Checkout and single reads do not hash an encrypted store's chunks again: the tags
+    must refuse an index entry pointed at another object's sealed bytes, and the length
+    check a raw length changed in the index (it is not sealed)."""
     creds = _creds(tmp_path)
     with Repository.init(tmp_path / "store", pack_size=1 << 20, encrypt=creds,
                          kdf=FAST) as repo:
@@ -396,6 +396,8 @@ def test_moved_or_resized_chunks_are_refused_on_checkout(tmp_path: Path) -> None
                     checkout_dir(repo, cid, tmp_path / "out")
                 assert a.hex() in str(got.value) or b.hex() in str(got.value), what
                 assert not (tmp_path / "out").exists()
+                with pytest.raises(ChecksumMismatch, match=a.hex()):  # one object's read
+                    repo.read_object(a)  # (a restore serving pages from the store)
         for oid, row in ((a, row_a), (b, row_b)):  # put back: the checkout is right again
             db.execute("UPDATE objects SET pid = ?, offset = ?, length = ?, raw_length = ? "
                        "WHERE id = ?", (*row, oid))
