@@ -9,13 +9,15 @@ objects like a working kernel's: half random bytes in 1 MiB objects (stored raw)
 list of ints (compresses). It is snapshotted once into a plain store and once into an
 encrypted one (``Repository.init(encrypt=...)``), each through its own ``SnapshotEngine``
 with the hot tier off, so every restore reads the store. Then, ``--runs`` times, the two
-alternating which goes first, and for each restore mode (``whole``: CRIU restores every page
-before the kernel runs; ``lazy``: the server's default, pages stream in after), the kernel
-is restored in place from each store, as the server's restore does it: the store checkout
-into the helper's work dir (``engine.materialize``; for a lazy restore all but the page
-files, which engine/store_pages.py then serves from the store as CRIU asks), then the
-helper's restore replacing the kernel, then the kernel's first answer (``kernel_info``,
-polled every 50 ms). Lazy restores are let finish streaming before the next one; the
+alternating which goes first, and for each restore mode, the kernel is restored in place
+from each store as the server does it: the store checkout into the helper's work dir
+(``engine.materialize``), the helper's restore replacing the kernel, the kernel's first
+answer (``kernel_info``, polled every 50 ms). Modes: ``whole`` (CRIU restores every page
+before the kernel runs); ``lazy`` (the server's default for a restore in place: the whole
+checkout, then the pages stream in from it after the kernel runs); ``stream`` (lazy with
+the page files left in the store and served from it as CRIU asks, engine/store_pages.py:
+what the server does where no running kernel is replaced, a resume or a wake; not run by
+default: slow while that path is being built, see docs/benchmarks.md). Lazy restores are let finish streaming before the next one; the
 helper's time until all pages are back is reported. Medians of: checkout, restore to
 first answer, and their sum (the user's wait); the encrypted store's as a share of the
 plain one's. Packs are warm in the page cache for both stores (they were just written).
@@ -81,8 +83,8 @@ def settle(helper: HelperClient, pid: int) -> float:
 
 
 def restore_once(km: KernelManager, engine: SnapshotEngine, helper: HelperClient,
-                 commit_id: str, mib: int) -> dict[str, float]:
-    info: dict = {"pages_may_stream": engine.lazy_restore}  # as the server's restore asks
+                 commit_id: str, mib: int, stream: bool) -> dict[str, float]:
+    info: dict = {"pages_may_stream": stream}  # as the server's restore flow asks
     t0 = time.perf_counter()
     images = engine.materialize(commit_id, info)
     t1 = time.perf_counter()
@@ -110,7 +112,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mib", type=int, default=1024)
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--modes", nargs="+", choices=("whole", "lazy"), default=["whole", "lazy"])
+    ap.add_argument("--modes", nargs="+", choices=("whole", "lazy", "stream"),
+                    default=["whole", "lazy"])
     ap.add_argument("--dir", default="/var/tmp")
     args = ap.parse_args()
     use_infinijup_kernelspec()
@@ -146,8 +149,9 @@ def main() -> None:
             for mode in args.modes:
                 order = STORES if run % 2 == 0 else STORES[::-1]
                 for name in order:
-                    engines[name].lazy_restore = mode == "lazy"
-                    got = restore_once(km, engines[name], helper, commits[name], args.mib)
+                    engines[name].lazy_restore = mode != "whole"
+                    got = restore_once(km, engines[name], helper, commits[name], args.mib,
+                                       mode == "stream")
                     samples.setdefault((mode, name), []).append(got)
             loads.append(os.getloadavg()[0])
         for repo in repos.values():
@@ -170,7 +174,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for mode in args.modes:
         keys = ("checkout", "restore", "total", "from_store") + (
-            ("resident",) if mode == "lazy" else ())
+            ("resident",) if mode != "whole" else ())
         med = {n: {k: statistics.median(s[k] for s in samples[(mode, n)]) for k in keys}
                for n in STORES}
         for name in STORES:
