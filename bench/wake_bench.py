@@ -17,7 +17,7 @@ default) and ``driver`` (the driver's checkpoint for everything). Prints a markd
 
     python bench/wake_bench.py [--cpu-mib 100 1024 4096] [--gpu-gb 2 8 20] [--repeat 3]
                                [--paths arena driver] [--no-hibernate]
-                               [--restore whole lazy]
+                               [--restore whole lazy] [--tier hot store]
 """
 
 from __future__ import annotations
@@ -145,17 +145,19 @@ async def one_size(server: ServerProcess, kind: str, nbytes: int, repeat: int,
 async def main_async(args) -> None:
     rows = []
     with helper_in_base() as (base, helper):
-        runs = [("cpu", m * 2**20, f"CPU {m} MiB, {mode}", None, mode)
-                for m in args.cpu_mib for mode in args.restore] + \
-               [("gpu", int(g * 10**9), f"GPU {g} GB, {path}", path, "whole")
+        runs = [("cpu", m * 2**20, f"CPU {m} MiB, {mode}, {tier}", None, mode, tier)
+                for m in args.cpu_mib for tier in args.tier for mode in args.restore] + \
+               [("gpu", int(g * 10**9), f"GPU {g} GB, {path}", path, "whole", "hot")
                 for path in args.paths for g in args.gpu_gb]
-        for n, (kind, nbytes, label, path, mode) in enumerate(runs):
+        for n, (kind, nbytes, label, path, mode, tier) in enumerate(runs):
             # one server per release path and restore mode, the same helper for all
             server = ServerProcess(base / f"server-{n}", helper.socket_path,
                                    str(base / "store"), base / "notebooks",
                                    manager_config={"gpu_release_through_arena":
                                                    path != "driver",
-                                                   "lazy_restore": mode == "lazy"})
+                                                   "lazy_restore": mode == "lazy",
+                                                   **({"hot_tier_bytes": 0}
+                                                      if tier == "store" else {})})
             server.start()
             try:
                 r = await one_size(server, kind, nbytes, args.repeat, not args.no_hibernate)
@@ -181,6 +183,10 @@ def main() -> None:
     p.add_argument("--no-hibernate", action="store_true", help="release and wake only")
     p.add_argument("--restore", nargs="*", default=["whole"], choices=["whole", "lazy"],
                    help="CPU kernels' restore modes to compare (the server's lazy_restore)")
+    p.add_argument("--tier", nargs="*", default=["hot"], choices=["hot", "store"],
+                   help="where a wake's images come from: the hot tier, or the store (the hot "
+                   "tier off: a whole wake checks everything out, a lazy one leaves the page "
+                   "files in the store, engine/store_pages.py)")
     asyncio.run(main_async(p.parse_args()))
 
 

@@ -109,6 +109,7 @@ class PageSource:
         self.proxy: subprocess.Popen | None = None
         self._err: int | None = None
         self._why: str | None = None
+        self._staging_fd = -1
 
     # -- the staged page files
 
@@ -116,6 +117,7 @@ class PageSource:
         """Make each page file the pagemaps name (sparse, full size) in the staging dir and
         fill what the restore reads itself (``everything``: all of it); bytes made."""
         total = 0
+        self._staging_fd = staging_fd
         names = set(image_names(staging_fd))
         for pagemap in sorted(n for n in names if n.startswith("pagemap") and n.endswith(".img")):
             pages_id, entries = criu.pagemap_entries(staging_fd, pagemap)
@@ -175,16 +177,19 @@ class PageSource:
         err_r, err_w = os.pipe()
         here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         maps = {str(pid): [m.pages, m.ranges] for pid, m in self.maps.items()}
+        files = {m.pages: os.open(m.pages, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                  dir_fd=self._staging_fd) for m in self.maps.values()}
         try:
             self.proxy = subprocess.Popen(
                 [sys.executable, "-I", "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
                  "from infinijup_helper.page_source import main; main()", here,
                  str(mine.fileno()), str(self.sock.fileno()), str(err_w)],
-                pass_fds=(mine.fileno(), self.sock.fileno(), err_w), stdin=subprocess.PIPE,
+                pass_fds=(mine.fileno(), self.sock.fileno(), err_w, *files.values()),
+                stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/",
                 env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, start_new_session=True)
             assert self.proxy.stdin is not None
-            self.proxy.stdin.write(json.dumps(maps).encode())
+            self.proxy.stdin.write(json.dumps({"maps": maps, "files": files}).encode())
             self.proxy.stdin.close()
         except BaseException:
             os.close(err_r)
@@ -192,6 +197,8 @@ class PageSource:
             raise
         finally:
             os.close(err_w)
+            for fd in files.values():
+                os.close(fd)
             mine.close()
             self.sock.close()  # the proxy's now
         self._err = err_r
@@ -223,15 +230,18 @@ class PageSource:
 
 
 def main() -> None:
-    """The proxy process: ``argv``: the daemon's socket, the caller's, an error pipe; the
-    lazy ranges on stdin (JSON). Exits when the daemon says it is done or either side ends."""
+    """The proxy process: ``argv``: the daemon's socket, the caller's, an error pipe; on
+    stdin (JSON) the lazy ranges and the staged page files' descriptors. Exits when the
+    daemon says it is done or either side ends."""
     daemon = socket.socket(fileno=int(sys.argv[2]))
     source = socket.socket(fileno=int(sys.argv[3]))
     err = int(sys.argv[4])
+    given = json.loads(sys.stdin.buffer.read())
     maps = {int(pid): _Map(pages, [r[0] for r in ranges], [tuple(r) for r in ranges])
-            for pid, (pages, ranges) in json.loads(sys.stdin.buffer.read()).items()}
-    proxy = _Proxy(daemon, source, maps)
-    threads = [threading.Thread(target=proxy.requests), threading.Thread(target=proxy.answers)]
+            for pid, (pages, ranges) in given["maps"].items()}
+    proxy = _Proxy(daemon, source, maps, given["files"])
+    threads = [threading.Thread(target=t) for t in
+               (proxy.requests, proxy.fetched, proxy.replies, proxy.background)]
     for t in threads:
         t.start()
     for t in threads:
@@ -241,16 +251,53 @@ def main() -> None:
     os._exit(0)
 
 
-class _Proxy:
-    """The daemon's requests, checked and asked of the source; the answers, in order."""
+class _Ask:
+    """A range asked of the source; ``done`` once it is in the staged file (or failed)."""
 
-    def __init__(self, daemon: socket.socket, source: socket.socket,
-                 maps: dict[int, _Map]) -> None:
-        self.daemon, self.source, self.maps = daemon, source, maps
-        self.queue: queue.Queue[tuple[bytes, int] | None] = queue.Queue()
+    def __init__(self, pages: str, offset: int, length: int, background: bool) -> None:
+        self.pages, self.offset, self.length = pages, offset, length
+        self.background = background
+        self.done = threading.Event()
+
+
+class _Proxy:
+    """Between the page daemon and the caller's source. Whatever arrives is written into the
+    staged page file (its holes), so a range asked again (a fault where the stream has been)
+    is answered from there. Besides the daemon's own requests, ``background`` streams every
+    lazy range from the source in large asks, several in flight: the daemon asks one range at
+    a time and waits for it, which over two processes' round trips would set the pace. The
+    daemon's answers go back in the order it asked, as its page-server protocol requires."""
+
+    BACKGROUND_ASK = 4 << 20
+    IN_FLIGHT = 4
+
+    def __init__(self, daemon: socket.socket, source: socket.socket, maps: dict[int, _Map],
+                 files: dict[str, int]) -> None:
+        self.daemon, self.source, self.maps, self.files = daemon, source, maps, files
+        self.present = {name: bytearray(os.fstat(fd).st_size // PAGE)
+                        for name, fd in files.items()}
+        self.asked: queue.Queue[_Ask | None] = queue.Queue()  # in the order sent
+        self.answers: queue.Queue[tuple | None] = queue.Queue()  # the daemon's, in order
+        self.send_lock = threading.Lock()
+        self.slots = threading.Semaphore(self.IN_FLIGHT)
+        self.ended = threading.Event()
         self.error: str | None = None
 
+    def _ask(self, pages: str, offset: int, length: int, background: bool) -> _Ask:
+        ask = _Ask(pages, offset, length, background)
+        with self.send_lock:
+            if self.ended.is_set():
+                raise OSError("the stream ended")
+            _send_ask(self.source, pages, offset, length)
+            self.asked.put(ask)
+        return ask
+
+    def _have(self, pages: str, offset: int, length: int) -> bool:
+        bitmap = self.present[pages]
+        return bitmap.find(0, offset // PAGE, (offset + length) // PAGE) < 0
+
     def requests(self) -> None:
+        """The daemon's requests: checked, answered from the staged file or asked for."""
         try:
             while True:
                 head = _recv_all(self.daemon, IOV.size)
@@ -258,42 +305,103 @@ class _Proxy:
                     return
                 cmd, nr, vaddr, dst = IOV.unpack(head)
                 if cmd in (PS_IOV_CLOSE, PS_IOV_FORCE_CLOSE):
-                    self.queue.put((b"close", 0))
+                    self.answers.put(("close",))
                     return
                 if cmd != PS_IOV_GET or nr <= 0 or nr * PAGE > MAX_ASK or dst not in self.maps:
                     raise ValueError(f"unexpected request {cmd:#x} for {dst} ({nr} pages)")
                 m = self.maps[dst]
                 offset, count = m.find(vaddr, nr)
-                _send_ask(self.source, m.pages, offset, count * PAGE)
                 reply = IOV.pack(PS_IOV_ADD_F | (PE_PRESENT << PS_CMD_BITS), count, vaddr, dst)
-                self.queue.put((reply, count * PAGE))
+                length = count * PAGE
+                ask = None if self._have(m.pages, offset, length) else \
+                    self._ask(m.pages, offset, length, background=False)
+                self.answers.put((reply, m.pages, offset, length, ask))
         except Exception as exc:  # noqa: BLE001 - any failure ends the stream, with its reason
             self._fail(f"the page daemon's request: {exc}")
         finally:
-            self.queue.put(None)
+            self.answers.put(None)
 
-    def answers(self) -> None:
+    def fetched(self) -> None:
+        """The source's answers, in the order asked, written into the staged files."""
         try:
-            while (item := self.queue.get()) is not None:
-                reply, length = item
-                if reply == b"close":
+            while (ask := self.asked.get()) is not None:
+                data = _read_exact(self.source, ask.length)
+                view, at = memoryview(data), ask.offset
+                while view:
+                    n = os.pwrite(self.files[ask.pages], view, at)
+                    view, at = view[n:], at + n
+                first = ask.offset // PAGE
+                self.present[ask.pages][first:first + ask.length // PAGE] = \
+                    b"\1" * (ask.length // PAGE)
+                ask.done.set()
+                if ask.background:
+                    self.slots.release()
+        except RequestError as exc:
+            self._fail(f"the source stopped answering ({exc.message})")
+        except OSError as exc:
+            self._fail(f"the source stopped answering ({exc.strerror or exc})")
+
+    def replies(self) -> None:
+        """The daemon's answers, in the order it asked."""
+        try:
+            while (item := self.answers.get()) is not None:
+                if item[0] == "close":
                     self.daemon.sendall(struct.pack("<i", 0))
                     return
-                data = _read_exact(self.source, length)
+                reply, pages, offset, length, ask = item
+                if ask is not None:
+                    ask.done.wait()
+                if self.error is not None:
+                    return
+                data = os.pread(self.files[pages], length, offset)
+                if len(data) != length:
+                    raise OSError("short read of a staged page file")
                 self.daemon.sendall(reply)
                 self.daemon.sendall(data)
-        except RequestError as exc:
-            self._fail(exc.message)
         except OSError as exc:
             self._fail(f"serving the page daemon: {exc.strerror or exc}")
         finally:
-            for sk in (self.daemon, self.source):
-                with contextlib.suppress(OSError):
-                    sk.shutdown(socket.SHUT_RDWR)
+            self._end()
+
+    def background(self) -> None:
+        """Every lazy range, in large asks, several in flight, skipping what is here."""
+        try:
+            for m in sorted(self.maps.values(), key=lambda m: m.pages):
+                for _vaddr, count, offset in m.ranges:
+                    end = offset + count * PAGE
+                    while offset < end and not self.ended.is_set():
+                        length = min(self.BACKGROUND_ASK, end - offset)
+                        if not self._have(m.pages, offset, length):
+                            self.slots.acquire()
+                            self._ask(m.pages, offset, length, background=True)
+                        offset += length
+        except OSError:
+            pass  # the stream ended; whoever ended it says why
 
     def _fail(self, why: str) -> None:
-        if self.error is None:
+        if self.error is None and not self.ended.is_set():
             self.error = why
+        self._end()
+
+    def _end(self) -> None:
+        """Stop everything: the sockets shut, every wait released."""
+        with self.send_lock:
+            self.ended.set()
+            self.asked.put(None)
+        self.answers.put(None)
+        for _ in range(self.IN_FLIGHT):
+            self.slots.release()
+        for sk in (self.daemon, self.source):
+            with contextlib.suppress(OSError):
+                sk.shutdown(socket.SHUT_RDWR)
+        while True:  # asks that will never be answered: let their waiters go
+            try:
+                pending = self.asked.get_nowait()
+            except queue.Empty:
+                break
+            if pending is not None:
+                pending.done.set()
+        self.asked.put(None)
 
 
 def _send_ask(sk: socket.socket, pages: str, offset: int, length: int) -> None:

@@ -94,11 +94,12 @@ def test_pages_come_from_the_source_and_every_one_arrives(client, kernel: Kernel
                      and s, "the page daemon to finish")
         assert done["state"] == "resident", done
         source.thread.join(timeout=60)
-        # every page came from the source, each once (and each file's last page once more:
-        # the helper's probe of the file's length before the kernel was touched), in ranges
-        # of the page files only
+        # every page came from the source (and each file's last page once more: the helper's
+        # probe of the file's length before the kernel was touched; a range the daemon asks
+        # for while the background stream is fetching it is asked for twice), in ranges of
+        # the page files only
         probes = 4096 * len(os.listdir(kept))
-        assert source.served == total + probes, (source.served, total)
+        assert total + probes <= source.served < 2 * total, (source.served, total)
         assert {name for name, _, _ in source.asked} <= set(os.listdir(kept))
         assert not any(n.startswith("pages-") for n in os.listdir(images))
     finally:
@@ -120,7 +121,7 @@ def test_a_source_that_stops_mid_stream_ends_the_kernel_with_the_reason(
         status = _wait(lambda: (s := client.status(restored.pid)).pages["state"] != "streaming"
                        and s, "the page daemon to end")
         assert status.pages["state"] == "failed", status
-        assert "the source closed" in status.pages["error"], status.pages["error"]
+        assert "the source stopped answering" in status.pages["error"], status.pages["error"]
         _wait(lambda: not client.status(restored.pid).alive, "the kernel to be ended")
     finally:
         source.close()
