@@ -264,12 +264,14 @@ class _Proxy:
     """Between the page daemon and the caller's source. Whatever arrives is written into the
     staged page file (its holes), so a range asked again (a fault where the stream has been)
     is answered from there. Besides the daemon's own requests, ``background`` streams every
-    lazy range from the source in large asks, several in flight: the daemon asks one range at
+    lazy range from the source in asks of 1 MiB, several in flight: the daemon asks one range at
     a time and waits for it, which over two processes' round trips would set the pace. The
     daemon's answers go back in the order it asked, as its page-server protocol requires."""
 
-    BACKGROUND_ASK = 4 << 20
-    IN_FLIGHT = 4
+    # Small enough that a fault's ask, queued behind the stream's on the one connection,
+    # waits for little; enough in flight to keep the source busy.
+    BACKGROUND_ASK = 1 << 20
+    IN_FLIGHT = 3
 
     def __init__(self, daemon: socket.socket, source: socket.socket, maps: dict[int, _Map],
                  files: dict[str, int]) -> None:

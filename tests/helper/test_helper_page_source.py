@@ -29,9 +29,13 @@ class FileSource:
     """Serves page files from a directory, as the server serves them from its store; after
     ``stop_after`` bytes it closes the connection (``stopped`` is set then)."""
 
-    def __init__(self, where: Path, files: Path, stop_after: int | None = None) -> None:
+    def __init__(self, where: Path, files: Path, stop_after: int | None = None,
+                 hold_after: int | None = None) -> None:
         self.files = files
         self.stop_after = stop_after
+        self.hold_after = hold_after  # after this many bytes, wait for ``go``
+        self.holding = threading.Event()
+        self.go = threading.Event()
         self.served = 0
         self.asked: list[tuple[str, int, int]] = []
         self.stopped = threading.Event()
@@ -52,6 +56,9 @@ class FileSource:
                 if self.stop_after is not None and self.served + length > self.stop_after:
                     self.stopped.set()
                     return
+                if self.hold_after is not None and self.served + length > self.hold_after:
+                    self.holding.set()
+                    self.go.wait()
                 with open(self.files / name, "rb") as src:
                     conn.sendall(os.pread(src.fileno(), length, offset))
                 self.served += length
@@ -163,3 +170,42 @@ def test_a_socket_served_by_another_account_is_refused(client, kernel: Kernel, t
         os.waitpid(pid, 0)
     client.release(images)
 
+
+
+def test_the_stream_outlives_a_helper_killed_while_it_runs(trees, tmp_path) -> None:
+    """The helper SIGKILLed while the kernel waits for pages from the source: the helper's
+    page-source process and CRIU's daemon carry on without it, every byte arrives."""
+    import signal
+
+    from helperkit import HelperDaemon, make_base, start_kernel
+
+    from infinijup.helper_client import HelperClient
+
+    helper = HelperDaemon(make_base())
+    helper.start()
+    kernel = None
+    source = None
+    try:
+        client = HelperClient(helper.socket_path, timeout=120)
+        kernel = start_kernel(client, trees, name="streaming")
+        images, kept, total = _dump_without_pages(client, kernel, tmp_path)
+        source = FileSource(Path(images) / "pages.sock", kept, hold_after=total // 3)
+        restored = client.restore(images, replace_pid=kernel.pid, lazy=True,
+                                  page_source="pages.sock")
+        trees.add(restored.pid)
+        kernel.kc.execute(CHECK, store_history=False)  # reads every page: it must wait
+        assert source.holding.wait(120), "the source was never asked for a third of the pages"
+        helper.stop(signal.SIGKILL)
+        source.go.set()
+        kernel.wait_answering(timeout=120)
+        assert kernel.evaluate(ok=CHECK) == {"ok": "True"}
+        source.thread.join(timeout=120)
+        assert source.served >= total
+    finally:
+        if source is not None:
+            source.go.set()
+            source.close()
+        if kernel is not None:
+            kernel.close()
+        helper.stop(signal.SIGKILL)
+        helper.remove()
