@@ -3,16 +3,21 @@ real `jupyter server`, the helper and CRIU, as a notebook meets them.
 
 A notebook written for the bench (not copied from anywhere) that looks like real work: load
 data, reshape it, summarize it, fit a small model by gradient steps, plot-like summaries, and
-quick cells between. It runs twice per working set, on a server with automatic snapshots off,
-then on one with them on (the server's defaults: 5% share, always after 60 s), the same helper
-and store. Printed: the notebook's total time both ways and the overhead; the worst cell (its
+quick cells between. It runs per working set on a server with automatic snapshots off, then
+on one with them on for each ``--ingest-nice`` (the store's ingest that many nice levels below
+the server; the defaults: 5% share, always after ``--after-s`` 60 s), the same helper, a fresh
+store each; ``--rounds`` N runs them N times in turn and takes each cell's median. Printed per
+run: each cell's time, and each automatic snapshot's image, stored bytes and timings (the
+helper's dump and publish). Then the notebook's total time both ways and the overhead; the
+cells after the last snapshot (they run while the store takes its images in); the worst cell (its
 time with snapshots on minus off, over its time off: on a busy machine, mostly the noise of
 quick cells); how many cells were snapshotted, and the largest share a snapshot held the cell it
 followed (that cell's time on minus off: the whole wait, not only the frozen time). Then, on the
 "on" kernel: undo to the first answered cell against a restore of
 the same snapshot to the first answered cell (medians of ``--repeat``).
 
-    python bench/autosnap_bench.py [--mib 100 1024] [--repeat 3] [--fit-s 20]
+    python bench/autosnap_bench.py [--mib 100 1024] [--repeat 3] [--fit-s 20] [--after-s 60]
+                                   [--ingest-nice 0 10] [--rounds 3]
 
 ``--session N`` runs instead a session of N quick cells (small changes, a new 1 MiB array every
 tenth cell, a cell that only prints every fifth) with a snapshot after every cell that changed
@@ -151,30 +156,38 @@ async def one_run(server: ServerProcess, cells: list[str], on: bool, repeat: int
 
 async def main_async(args) -> None:
     rows = []
-    # off, then on once per ingest priority asked for (side by side in one run)
+    # off, then on once per ingest priority asked for, side by side: ``--rounds`` times in
+    # turn, each cell's median over the rounds
     variants = [(False, 0)] + [(True, nice) for nice in args.ingest_nice]
     with helper_in_base() as (base, helper):
         for mib in args.mib:
             cells = notebook(mib, args.fit_s)
-            runs = []
-            for n, (on, nice) in enumerate(variants):
-                server = ServerProcess(base / f"server-{mib}-{n}", helper.socket_path,
-                                       str(base / f"store-{n}"), base / "notebooks",
-                                       manager_config={"autosnapshot": on,
-                                                       "autosnapshot_after_s": args.after_s,
-                                                       "autosnapshot_ingest_nice": nice})
-                server.start()
-                try:
-                    what = f"on, ingest nice +{nice}" if on else "off"
-                    print(f"{mib} MiB, snapshots {what} (load {os.getloadavg()[0]:.1f})",
+            runs: list[list[tuple[list[float], dict]]] = [[] for _ in variants]
+            for r in range(args.rounds):
+                for n, (on, nice) in enumerate(variants):
+                    server = ServerProcess(base / f"server-{mib}-{r}-{n}", helper.socket_path,
+                                           str(base / f"store-{n}"), base / "notebooks",
+                                           manager_config={"autosnapshot": on,
+                                                           "autosnapshot_after_s": args.after_s,
+                                                           "autosnapshot_ingest_nice": nice})
+                    server.start()
+                    try:
+                        what = f"on, ingest nice +{nice}" if on else "off"
+                        print(f"{mib} MiB, round {r + 1}, snapshots {what} "
+                              f"(load {os.getloadavg()[0]:.1f})", flush=True)
+                        # undo against restore: in the last round only
+                        repeat = args.repeat if r + 1 == args.rounds else 0
+                        runs[n].append(await one_run(server, cells, on, repeat))
+                    finally:
+                        server.stop()
+                        shutil.rmtree(base / f"store-{n}", ignore_errors=True)  # a fresh one
+                        shutil.rmtree(base / f"server-{mib}-{r}-{n}", ignore_errors=True)
+                    print("  cells: " + " ".join(f"{t:.2f}" for t in runs[n][-1][0]),
                           flush=True)
-                    runs.append(await one_run(server, cells, on, args.repeat))
-                finally:
-                    server.stop()
-                    shutil.rmtree(base / f"store-{n}", ignore_errors=True)  # room for the next
-                print("  cells: " + " ".join(f"{t:.2f}" for t in runs[-1][0]), flush=True)
-            off = runs[0][0]
-            for (on_times, extra), (_, nice) in zip(runs[1:], variants[1:], strict=True):
+            off = medians([times for times, _ in runs[0]])
+            for n, (_, nice) in enumerate(variants[1:], start=1):
+                on_times = medians([times for times, _ in runs[n]])
+                extra = {**runs[n][-1][1], "rounds": args.rounds}
                 rows.append(row_of(mib, cells, off, on_times, extra, nice))
                 print(rows[-1], flush=True)
     print(markdown_table(rows, [("set", "working set"), ("nice", "ingest nice"),
@@ -187,6 +200,11 @@ async def main_async(args) -> None:
                                 ("after", "cells after the last snapshot, on vs off"),
                                 ("undo", "undo to first cell"),
                                 ("restore", "restore of the same, to first cell")]))
+
+
+def medians(runs: list[list[float]]) -> list[float]:
+    """Each cell's median over the rounds."""
+    return [statistics.median(cell) for cell in zip(*runs, strict=True)]
 
 
 def row_of(mib: int, cells: list[str], off: list[float], on_times: list[float], extra: dict,
@@ -372,6 +390,8 @@ def main() -> None:
                    help="autosnapshot_after_s: a cell this long is always snapshotted")
     p.add_argument("--ingest-nice", type=int, nargs="+", default=[10],
                    help="autosnapshot_ingest_nice: one run with snapshots on for each")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run off and each 'on' this many times in turn; each cell's median")
     p.add_argument("--session", type=int, default=0,
                    help="run a session of this many quick cells instead (the disk aim)")
     p.add_argument("--keep", type=int, default=100, help="with --session: snapshots kept")
