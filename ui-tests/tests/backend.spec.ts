@@ -278,6 +278,7 @@ test.describe('Infinijup end to end @backend', () => {
     page,
     tmpPath
   }, testInfo) => {
+    test.setTimeout(4 * OP_TIMEOUT); // three snapshots and a restore: as the other long stories
     await infinijupNotebook(page, tmpPath, 'branch');
     expect(await run(page, 'x = 1\nx')).toBe('1');
     const a = await snapshot(page);
