@@ -56,6 +56,22 @@ FILL_CHUNK = 8 << 20
 MAX_ASK = 64 << 20  # one daemon request's bytes at most (it asks for far less)
 
 
+def _connect(images_fd: int, name: str, caller: Caller) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.connect(f"/proc/self/fd/{images_fd}/{name}")
+        uid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+        if uid != caller.uid:
+            raise _untrusted(f"{name} is served by uid {uid}, not by the caller")
+    except OSError as exc:
+        sock.close()
+        raise _untrusted(f"cannot connect to {name}: {exc.strerror}") from None
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def _untrusted(msg: str) -> RequestError:
     return RequestError("bad_request", f"page source: {msg}")
 
@@ -92,16 +108,10 @@ class PageSource:
             raise _untrusted(f"{name}: {exc.strerror}") from None
         if not stat.S_ISSOCK(st.st_mode):
             raise _untrusted(f"{name} is not a socket")
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        # two connections: faults, and the stream (so a fault never waits behind it)
+        self.sock = _connect(images_fd, name, caller)
         try:
-            self.sock.connect(f"/proc/self/fd/{images_fd}/{name}")
-            uid = struct.unpack("3i", self.sock.getsockopt(
-                socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
-            if uid != caller.uid:
-                raise _untrusted(f"{name} is served by uid {uid}, not by the caller")
-        except OSError as exc:
-            self.sock.close()
-            raise _untrusted(f"cannot connect to {name}: {exc.strerror}") from None
+            self.bulk = _connect(images_fd, name, caller)
         except BaseException:
             self.sock.close()
             raise
@@ -183,8 +193,10 @@ class PageSource:
             self.proxy = subprocess.Popen(
                 [sys.executable, "-I", "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
                  "from infinijup_helper.page_source import main; main()", here,
-                 str(mine.fileno()), str(self.sock.fileno()), str(err_w)],
-                pass_fds=(mine.fileno(), self.sock.fileno(), err_w, *files.values()),
+                 str(mine.fileno()), str(self.sock.fileno()), str(self.bulk.fileno()),
+                 str(err_w)],
+                pass_fds=(mine.fileno(), self.sock.fileno(), self.bulk.fileno(), err_w,
+                          *files.values()),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/",
                 env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, start_new_session=True)
@@ -201,6 +213,7 @@ class PageSource:
                 os.close(fd)
             mine.close()
             self.sock.close()  # the proxy's now
+            self.bulk.close()
         self._err = err_r
         return theirs
 
@@ -225,8 +238,9 @@ class PageSource:
         if self.proxy is not None and self.proxy.poll() is None:
             self.proxy.kill()
             self.proxy.wait()
-        with contextlib.suppress(OSError):
-            self.sock.close()
+        for sk in (self.sock, self.bulk):
+            with contextlib.suppress(OSError):
+                sk.close()
 
 
 def main() -> None:
@@ -235,13 +249,15 @@ def main() -> None:
     daemon says it is done or either side ends."""
     daemon = socket.socket(fileno=int(sys.argv[2]))
     source = socket.socket(fileno=int(sys.argv[3]))
-    err = int(sys.argv[4])
+    bulk = socket.socket(fileno=int(sys.argv[4]))
+    err = int(sys.argv[5])
     given = json.loads(sys.stdin.buffer.read())
     maps = {int(pid): _Map(pages, [r[0] for r in ranges], [tuple(r) for r in ranges])
             for pid, (pages, ranges) in given["maps"].items()}
-    proxy = _Proxy(daemon, source, maps, given["files"])
+    proxy = _Proxy(daemon, {"fault": source, "bulk": bulk}, maps, given["files"])
     threads = [threading.Thread(target=t) for t in
-               (proxy.requests, proxy.fetched, proxy.replies, proxy.background)]
+               (proxy.requests, proxy.replies, proxy.background)]
+    threads += [threading.Thread(target=proxy.fetched, args=(line,)) for line in ("fault", "bulk")]
     for t in threads:
         t.start()
     for t in threads:
@@ -254,8 +270,10 @@ def main() -> None:
 class _Ask:
     """A range asked of the source; ``done`` once it is in the staged file (or failed)."""
 
-    def __init__(self, pages: str, offset: int, length: int, background: bool) -> None:
+    def __init__(self, pages: str, offset: int, length: int, line: str,
+                 background: bool) -> None:
         self.pages, self.offset, self.length = pages, offset, length
+        self.line = line
         self.background = background
         self.done = threading.Event()
 
@@ -264,34 +282,40 @@ class _Proxy:
     """Between the page daemon and the caller's source. Whatever arrives is written into the
     staged page file (its holes), so a range asked again (a fault where the stream has been)
     is answered from there. Besides the daemon's own requests, ``background`` streams every
-    lazy range from the source in asks of 1 MiB, several in flight: the daemon asks one range at
-    a time and waits for it, which over two processes' round trips would set the pace. The
-    daemon's answers go back in the order it asked, as its page-server protocol requires."""
+    lazy range from the source in asks of 256 KiB, two in flight: the daemon asks one range at
+    a time and waits for it, which over two processes' round trips would set the pace. A fault
+    (a request of a few pages) is asked on a second connection, with its aligned neighbours, so
+    it never waits behind the stream. The daemon's answers go back in the order it asked, as
+    its page-server protocol requires."""
 
-    # Small enough that a fault's ask, queued behind the stream's on the one connection,
-    # waits for little; enough in flight to keep the source busy.
-    BACKGROUND_ASK = 1 << 20
-    IN_FLIGHT = 3
+    # Enough in flight to keep the source busy.
+    BACKGROUND_ASK = 256 << 10
+    IN_FLIGHT = 2
+    # A page not here yet is fetched with its neighbours (aligned, within its file): the
+    # kernel's next faults are mostly near its last, and are then answered from here.
+    AROUND = 256 << 10
 
-    def __init__(self, daemon: socket.socket, source: socket.socket, maps: dict[int, _Map],
-                 files: dict[str, int]) -> None:
-        self.daemon, self.source, self.maps, self.files = daemon, source, maps, files
+    def __init__(self, daemon: socket.socket, lines: dict[str, socket.socket],
+                 maps: dict[int, _Map], files: dict[str, int]) -> None:
+        self.daemon, self.lines, self.maps, self.files = daemon, lines, maps, files
         self.present = {name: bytearray(os.fstat(fd).st_size // PAGE)
                         for name, fd in files.items()}
-        self.asked: queue.Queue[_Ask | None] = queue.Queue()  # in the order sent
+        # each line's asks, in the order sent
+        self.asked: dict[str, queue.Queue[_Ask | None]] = {k: queue.Queue() for k in lines}
         self.answers: queue.Queue[tuple | None] = queue.Queue()  # the daemon's, in order
         self.send_lock = threading.Lock()
         self.slots = threading.Semaphore(self.IN_FLIGHT)
         self.ended = threading.Event()
         self.error: str | None = None
 
-    def _ask(self, pages: str, offset: int, length: int, background: bool) -> _Ask:
-        ask = _Ask(pages, offset, length, background)
+    def _ask(self, pages: str, offset: int, length: int, line: str,
+             background: bool = False) -> _Ask:
+        ask = _Ask(pages, offset, length, line, background)
         with self.send_lock:
             if self.ended.is_set():
                 raise OSError("the stream ended")
-            _send_ask(self.source, pages, offset, length)
-            self.asked.put(ask)
+            _send_ask(self.lines[line], pages, offset, length)
+            self.asked[line].put(ask)
         return ask
 
     def _have(self, pages: str, offset: int, length: int) -> bool:
@@ -315,19 +339,27 @@ class _Proxy:
                 offset, count = m.find(vaddr, nr)
                 reply = IOV.pack(PS_IOV_ADD_F | (PE_PRESENT << PS_CMD_BITS), count, vaddr, dst)
                 length = count * PAGE
-                ask = None if self._have(m.pages, offset, length) else \
-                    self._ask(m.pages, offset, length, background=False)
+                ask = None
+                if self._have(m.pages, offset, length):
+                    pass
+                elif length >= self.AROUND:  # the daemon's own stream: with ours
+                    ask = self._ask(m.pages, offset, length, "bulk")
+                else:  # a fault: on its own line, with its neighbours
+                    size = len(self.present[m.pages]) * PAGE
+                    start = offset - offset % self.AROUND
+                    stop = min(size, -(-(offset + length) // self.AROUND) * self.AROUND)
+                    ask = self._ask(m.pages, start, stop - start, "fault")
                 self.answers.put((reply, m.pages, offset, length, ask))
         except Exception as exc:  # noqa: BLE001 - any failure ends the stream, with its reason
             self._fail(f"the page daemon's request: {exc}")
         finally:
             self.answers.put(None)
 
-    def fetched(self) -> None:
-        """The source's answers, in the order asked, written into the staged files."""
+    def fetched(self, line: str) -> None:
+        """A line's answers, in the order asked, written into the staged files."""
         try:
-            while (ask := self.asked.get()) is not None:
-                data = _read_exact(self.source, ask.length)
+            while (ask := self.asked[line].get()) is not None:
+                data = _read_exact(self.lines[line], ask.length)
                 view, at = memoryview(data), ask.offset
                 while view:
                     n = os.pwrite(self.files[ask.pages], view, at)
@@ -375,7 +407,7 @@ class _Proxy:
                         length = min(self.BACKGROUND_ASK, end - offset)
                         if not self._have(m.pages, offset, length):
                             self.slots.acquire()
-                            self._ask(m.pages, offset, length, background=True)
+                            self._ask(m.pages, offset, length, "bulk", background=True)
                         offset += length
         except OSError:
             pass  # the stream ended; whoever ended it says why
@@ -389,21 +421,23 @@ class _Proxy:
         """Stop everything: the sockets shut, every wait released."""
         with self.send_lock:
             self.ended.set()
-            self.asked.put(None)
+            for asked in self.asked.values():
+                asked.put(None)
         self.answers.put(None)
         for _ in range(self.IN_FLIGHT):
             self.slots.release()
-        for sk in (self.daemon, self.source):
+        for sk in (self.daemon, *self.lines.values()):
             with contextlib.suppress(OSError):
                 sk.shutdown(socket.SHUT_RDWR)
-        while True:  # asks that will never be answered: let their waiters go
-            try:
-                pending = self.asked.get_nowait()
-            except queue.Empty:
-                break
-            if pending is not None:
-                pending.done.set()
-        self.asked.put(None)
+        for asked in self.asked.values():
+            while True:  # asks that will never be answered: let their waiters go
+                try:
+                    pending = asked.get_nowait()
+                except queue.Empty:
+                    break
+                if pending is not None:
+                    pending.done.set()
+            asked.put(None)
 
 
 def _send_ask(sk: socket.socket, pages: str, offset: int, length: int) -> None:

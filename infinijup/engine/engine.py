@@ -32,7 +32,7 @@ from ..store.thinned import CommitThinned
 from ..store.writer import entries_from_dir
 from .hot_tier import HotTier, _allocated
 from .niced import run_niced
-from .store_pages import SOCKET, StorePages, checkout_except_pages
+from .store_pages import SOCKET, StorePagesProcess, checkout_except_pages
 
 Progress = Callable[[str, dict], None]
 _TAGGED = re.compile(r"^(\d+)\.(\d+)\.[0-9a-f]{32}$")  # <pid>.<start time>.<uuid>
@@ -150,7 +150,7 @@ class SnapshotEngine:
         self._work_dir: Path | None = None
         self._hot: HotTier | None = None
         self._lazy_here: bool | None = None  # the helper takes our restores lazily
-        self._page_sources: dict[str, StorePages] = {}  # images dir -> its pages' server
+        self._page_sources: dict[str, StorePagesProcess] = {}  # images dir -> its pages' server
 
     def work_dir(self) -> Path:
         if self._work_dir is None:
@@ -424,9 +424,19 @@ class SnapshotEngine:
         return self._lazy_here
 
     def _checkout_serving_pages(self, commit_id: str, target: Path) -> None:
-        pages = checkout_except_pages(self.repo, commit_id, target)
-        if pages:
-            self._page_sources[str(target)] = StorePages(self.repo, pages, target / SOCKET)
+        """The small images checked out while the page files' server starts."""
+        served: list[StorePagesProcess] = []
+        try:
+            checkout_except_pages(self.repo, commit_id, target, lambda pages: served.append(
+                StorePagesProcess(self.repo, pages, target / SOCKET)))
+            if served:
+                served[0].wait_ready()
+        except BaseException:
+            for source in served:
+                source.stop_listening()
+            raise
+        if served:
+            self._page_sources[str(target)] = served[0]
 
     def _link_hot(self, commit_id: str, target: Path) -> bool:
         if self.hot_tier_bytes <= 0:

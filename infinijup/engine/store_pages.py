@@ -8,24 +8,35 @@ helper asks for the few pages CRIU restores itself at once, and for the rest as 
 touches them or as CRIU's page daemon streams them in behind the running kernel. Each range
 is read from the chunks that hold it, verified as a checkout verifies them.
 
-The server serves with its own credentials: the helper checks that the socket's peer is the
-caller. One connection; the serving thread ends when the helper lets go (the memory is back,
-or the restore failed). The packs that hold the pages are opened before the restore starts,
-so the remote tier's eviction or a gc meanwhile cannot take them from under the stream.
+The pages are served by a process of the server's user started for the restore
+(``StorePagesProcess``, running ``main``), not by the server: a server that restarts while a
+woken kernel's memory streams in must not end that kernel, and the chunks are decoded off the
+server's event loop. The helper checks that the socket's peer is the caller. Two connections
+(faults, the stream); the process ends when the helper lets go (the memory is back, or the restore failed), or,
+once told the restore is over, at once if nobody connected. It opens the packs that hold the
+pages before the restore starts, so the remote tier's eviction or a gc meanwhile cannot take
+them from under the stream. An encrypted store is unlocked again in that process (from the
+environment, as every process of the store).
 """
 
 from __future__ import annotations
 
 import bisect
+import json
 import logging
 import os
+import select
 import socket
 import struct
+import subprocess
+import sys
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ..errors import RestoreFailed
 from ..store.checkout import Materializer
 from ..store.errors import ObjectMissing
 from ..store.packs import DELTA, decode_payload
@@ -45,18 +56,22 @@ def is_page_file(name: str) -> bool:
     return name.startswith("pages-") and name.endswith(".img")
 
 
-def checkout_except_pages(repo, commit_id: str, target: Path) -> dict[str, str]:  # noqa: ANN001
+def checkout_except_pages(repo, commit_id: str, target: Path,  # noqa: ANN001
+                          on_pages: Callable[[dict[str, str]], None]) -> None:
     """Write the commit's images into ``target`` (created, must not exist) except its page
-    files; those files' blob ids by name."""
+    files, whose blob ids by name go to ``on_pages`` first (``target`` exists then)."""
     commit = repo.get_commit(commit_id)
     refuse_thinned(repo, commit.id)
     os.mkdir(target, 0o700)
-    pages = {}
+    entries = list(repo.get_tree(commit.tree))
+    pages = {e.name: e.id for e in entries if e.kind == "file" and is_page_file(e.name)}
+    if pages:
+        on_pages(pages)
     with Materializer(repo) as m:
-        for entry in repo.get_tree(commit.tree):
-            if entry.kind == "file" and is_page_file(entry.name):
-                pages[entry.name] = entry.id
-            elif entry.kind == "file":
+        for entry in entries:
+            if entry.kind == "file" and entry.name in pages:
+                continue
+            if entry.kind == "file":
                 m.file(entry, target / entry.name)
             elif entry.kind == "dir":
                 os.mkdir(target / entry.name, 0o700)
@@ -64,7 +79,6 @@ def checkout_except_pages(repo, commit_id: str, target: Path) -> dict[str, str]:
                 os.chmod(target / entry.name, entry.mode)
             else:
                 os.symlink(entry.target, target / entry.name)
-    return pages
 
 
 class _Blob:
@@ -80,10 +94,89 @@ class _Blob:
             at += self.locs[c].raw_length
 
 
+class StorePagesProcess:
+    """The server's side: the socket bound at ``where`` and the serving process started
+    (``wait_ready``: its packs open)."""
+
+    def __init__(self, repo, pages: dict[str, str], where: Path) -> None:  # noqa: ANN001
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            listener.bind(str(where))
+            listener.listen(1)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", "from infinijup.engine.store_pages import main; main()",
+                 str(listener.fileno())],
+                pass_fds=(listener.fileno(),), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                start_new_session=True)  # not the server's: a server restart leaves it be
+        finally:
+            listener.close()  # the process's now
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"store": str(repo.path), "pages": pages}).encode()
+                              + b"\n")
+        self.proc.stdin.flush()
+
+    def wait_ready(self) -> None:
+        """Until the process has opened the store and the packs (RestoreFailed if it could
+        not); meanwhile the server checks the small images out."""
+        assert self.proc.stdout is not None
+        said = self.proc.stdout.readline().decode(errors="replace").strip()
+        if said != "ready":
+            self.proc.kill()
+            self.proc.wait()
+            raise RestoreFailed(f"restore failed: the store cannot serve the snapshot's pages "
+                                f"({said or 'its process ended'}); the kernel was not touched",
+                                reason="checkout_failed")
+
+    def stop_listening(self) -> None:
+        """The restore is over: the process serves the helper's connection, or ends."""
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+        except OSError:
+            pass
+
+
+def main() -> None:
+    """The serving process: ``argv[1]``: the listening socket; stdin: the store's path and the
+    page files' blob ids (a JSON line), then end-of-file once the restore is over."""
+    listener = socket.socket(fileno=int(sys.argv[1]))
+    spec = json.loads(sys.stdin.buffer.readline())
+    try:
+        from ..store import Repository
+
+        pages = StorePages(Repository.open(spec["store"]), spec["pages"])
+    except Exception as exc:  # noqa: BLE001 - said to the server, which refuses the restore
+        print(f"{type(exc).__name__}: {exc}", flush=True)
+        return
+    print("ready", flush=True)
+    ready, _, _ = select.select([listener, sys.stdin], [], [])
+    if listener not in ready:  # the restore is over: a connection the helper made is queued
+        listener.setblocking(False)
+    try:
+        first, _ = listener.accept()
+    except BlockingIOError:
+        return  # the helper never connected (the restore failed before)
+    conns = [first]
+    listener.settimeout(30)  # the helper connects twice (faults, the stream), one after the other
+    try:
+        conns.append(listener.accept()[0])
+    except OSError:
+        pass
+    listener.close()
+    threads = []
+    for conn in conns:
+        conn.setblocking(True)
+        threads.append(threading.Thread(target=pages.serve, args=(conn,)))
+        threads[-1].start()
+    for t in threads:
+        t.join()
+    pages.close()
+
+
 class StorePages:
     """Serves the page files of one restore from the store (see the module docs)."""
 
-    def __init__(self, repo, pages: dict[str, str], where: Path) -> None:  # noqa: ANN001
+    def __init__(self, repo, pages: dict[str, str]) -> None:  # noqa: ANN001
         self.reader = ObjectReader(repo)
         self.files = {name: _Blob(repo, blob) for name, blob in pages.items()}
         # every pack opened now: one the remote tier evicts or gc removes while the pages
@@ -96,30 +189,9 @@ class StorePages:
         self._cache: OrderedDict[bytes, bytes] = OrderedDict()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="store-pages")
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        self._listener.bind(str(where))
-        self._listener.listen(1)
-        self._thread = threading.Thread(target=self._serve, name="store-pages", daemon=True)
-        self._thread.start()
 
-    def stop_listening(self) -> None:
-        """The helper connected already, or never will (its restore returned): a connection
-        made is served on; none made, the thread ends."""
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._listener.close()
-
-    def join(self, timeout: float | None = None) -> None:
-        self._thread.join(timeout)
-
-    def _serve(self) -> None:
-        try:
-            conn, _ = self._listener.accept()
-        except OSError:
-            self.reader.close()
-            return  # closed before anyone connected
+    def serve(self, conn: socket.socket) -> None:
+        """Answer the helper's asks until it lets go."""
         try:
             with conn:
                 f = conn.makefile("rb")
@@ -131,9 +203,10 @@ class StorePages:
         except Exception as exc:  # noqa: BLE001 - the helper sees the connection end
             self.error = f"{type(exc).__name__}: {exc}"
             log.warning("serving a restore's pages from the store: %s", self.error)
-        finally:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self.reader.close()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.reader.close()
 
     def read(self, name: str, offset: int, length: int) -> bytes:
         blob = self.files[name]

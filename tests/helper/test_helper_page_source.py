@@ -26,8 +26,9 @@ CHECK = "hashlib.blake2b(blob).hexdigest() == digest"
 
 
 class FileSource:
-    """Serves page files from a directory, as the server serves them from its store; after
-    ``stop_after`` bytes it closes the connection (``stopped`` is set then)."""
+    """Serves page files from a directory, as the server serves them from its store (on the
+    helper's two connections: faults, and the stream); after ``stop_after`` bytes it closes
+    the connections (``stopped`` is set then)."""
 
     def __init__(self, where: Path, files: Path, stop_after: int | None = None,
                  hold_after: int | None = None) -> None:
@@ -39,31 +40,51 @@ class FileSource:
         self.served = 0
         self.asked: list[tuple[str, int, int]] = []
         self.stopped = threading.Event()
+        self.lock = threading.Lock()
+        self.conns: list[socket.socket] = []
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(str(where))
-        self.listener.listen(1)
-        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.listener.listen(2)
+        self.thread = threading.Thread(target=self._accept, daemon=True)
         self.thread.start()
 
-    def _serve(self) -> None:
-        conn, _ = self.listener.accept()
+    def _accept(self) -> None:
+        workers = []
+        for _ in range(2):
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                break
+            self.conns.append(conn)
+            workers.append(threading.Thread(target=self._serve, args=(conn,), daemon=True))
+            workers[-1].start()
+        for w in workers:
+            w.join()
+
+    def _serve(self, conn: socket.socket) -> None:
         with conn:
             f = conn.makefile("rb")
             while head := f.read(4):
                 name = f.read(struct.unpack("<I", head)[0]).decode()
                 offset, length = struct.unpack("<QQ", f.read(16))
-                self.asked.append((name, offset, length))
-                if self.stop_after is not None and self.served + length > self.stop_after:
+                with self.lock:
+                    self.asked.append((name, offset, length))
+                    stop = self.stop_after is not None and self.served + length > self.stop_after
+                if stop:
                     self.stopped.set()
+                    for other in self.conns:
+                        other.shutdown(socket.SHUT_RDWR)
                     return
                 if self.hold_after is not None and self.served + length > self.hold_after:
                     self.holding.set()
                     self.go.wait()
                 with open(self.files / name, "rb") as src:
                     conn.sendall(os.pread(src.fileno(), length, offset))
-                self.served += length
+                with self.lock:
+                    self.served += length
 
     def close(self) -> None:
+        self.listener.shutdown(socket.SHUT_RDWR)
         self.listener.close()
         self.thread.join(timeout=60)
 
