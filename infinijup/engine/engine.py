@@ -32,7 +32,7 @@ from ..store.thinned import CommitThinned
 from ..store.writer import entries_from_dir
 from .hot_tier import HotTier, _allocated
 from .niced import run_niced
-from .store_pages import SOCKET, StorePagesProcess, checkout_except_pages
+from .store_pages import SOCKET, StorePagesProcess, checkout_except_pages, is_page_file
 
 Progress = Callable[[str, dict], None]
 _TAGGED = re.compile(r"^(\d+)\.(\d+)\.[0-9a-f]{32}$")  # <pid>.<start time>.<uuid>
@@ -141,7 +141,7 @@ class SnapshotEngine:
     """Snapshot and restore kernel process trees, given a store and a helper client."""
 
     def __init__(self, repo, helper, hot_tier_bytes: int = 0, lazy_restore: bool = False,
-                 ingest_nice: int = 0) -> None:
+                 ingest_nice: int = 0, pages_from_store_min_bytes: int = 1 << 30) -> None:
         self.repo = repo
         self.helper = helper
         self.hot_tier_bytes = hot_tier_bytes  # 0: no hot tier (see hot_tier.py)
@@ -150,6 +150,7 @@ class SnapshotEngine:
         self._work_dir: Path | None = None
         self._hot: HotTier | None = None
         self._lazy_here: bool | None = None  # the helper takes our restores lazily
+        self.pages_from_store_min_bytes = pages_from_store_min_bytes
         self._page_sources: dict[str, StorePagesProcess] = {}  # images dir -> its pages' server
 
     def work_dir(self) -> Path:
@@ -385,7 +386,7 @@ class SnapshotEngine:
                 info.update(source="hot", checkout_s=time.perf_counter() - t0)
             return target
         try:
-            if (info or {}).get("pages_may_stream") and self._pages_from_store():
+            if (info or {}).get("pages_may_stream") and self._pages_from_store(commit_id):
                 self._checkout_serving_pages(commit_id, target)
             else:
                 store_checkout.checkout_dir(self.repo, commit_id, target)
@@ -414,10 +415,17 @@ class SnapshotEngine:
                         pages_from_store=str(target) in self._page_sources)
         return target
 
-    def _pages_from_store(self) -> bool:
-        """Restores leave the page files in the store (store_pages.py) where they are lazy:
-        the kernel runs once the small images are out, its memory follows from the store."""
+    def _pages_from_store(self, commit_id: str) -> bool:
+        """Restores leave the page files in the store (store_pages.py) where they are lazy
+        and large: the kernel runs once the small images are out, its memory follows from
+        the store. Small ones are checked out: the serving process's start and the chunks'
+        lookups cost more than a checkout of a few hundred MiB."""
         if not self.lazy_restore:
+            return False
+        commit = self.repo.get_commit(commit_id)
+        pages = sum(e.size for e in self.repo.get_tree(commit.tree)
+                    if e.kind == "file" and is_page_file(e.name))
+        if pages < self.pages_from_store_min_bytes:
             return False
         if self._lazy_here is None:
             self._lazy_here = bool(self.helper.hello().features.get("lazy_pages"))

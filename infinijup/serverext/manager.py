@@ -91,6 +91,12 @@ class SnapshotManager(LoggingConfigurable):
                                     "CRIU as root and for CPU memory; other restores are whole "
                                     "and say why.").tag(config=True)
 
+    pages_from_store_min_bytes = Integer(
+        1 << 30, help="A lazy wake or resume whose images are not in the hot tier leaves the "
+                      "page files in the store (read as the kernel runs, "
+                      "engine/store_pages.py) when they hold at least this many bytes; "
+                      "smaller ones are checked out, which is quicker for them.").tag(config=True)
+
     hibernate_after = Float(0.0, help="Seconds a kernel may stay idle before it is hibernated: "
                                       "snapshotted and its process ended; the next cell wakes "
                                       "it (0: never).").tag(config=True)
@@ -318,6 +324,7 @@ class SnapshotManager(LoggingConfigurable):
         return SnapshotEngine(self.repo(), HelperClient(config.helper_socket()),
                               hot_tier_bytes=self.hot_tier_bytes,
                               lazy_restore=self.lazy_restore,
+                              pages_from_store_min_bytes=self.pages_from_store_min_bytes,
                               ingest_nice=self.autosnapshot_ingest_nice)
 
     def kernel(self, kernel_id: str):

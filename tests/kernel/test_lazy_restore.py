@@ -48,7 +48,9 @@ async def test_lazy_restores_from_hot_tier_and_store_keep_every_byte(notebook, j
     assert await nb.value("x") == "snapshotted"
 
     # a resume into a new kernel (nothing of the user's to lose) leaves the page files in
-    # the store: the helper asks the server for them as the kernel runs (store_pages.py)
+    # the store: the helper asks the server for them as the kernel runs (store_pages.py);
+    # by default only from 1 GiB of pages on (a checkout is quicker below)
+    manager.pages_from_store_min_bytes = 0
     await nb.fetch("api", "kernels", nb.kernel_id, method="DELETE")
     nb.kernel_id = ""
     r = await nb.post("resume", {"path": nb.path, "commit": again["commit"]})
