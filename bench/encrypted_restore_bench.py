@@ -19,8 +19,10 @@ the page files left in the store and served from it as CRIU asks, engine/store_p
 what the server does where no running kernel is replaced, a resume or a wake; not run by
 default: slow while that path is being built, see docs/benchmarks.md). Lazy restores are let finish streaming before the next one; the
 helper's time until all pages are back is reported. Medians of: checkout, restore to
-first answer, and their sum (the user's wait); the encrypted store's as a share of the
-plain one's. Packs are warm in the page cache for both stores (they were just written).
+first answer, and their sum (the user's wait), the encrypted store's as a share of the
+plain one's; and the CPU seconds this process spent checking out (all threads: less
+disturbed than wall times by other work on the machine). Packs are warm in the page cache
+for both stores (they were just written).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import argparse
 import os
 import platform
 import queue
+import resource
 import shutil
 import statistics
 import subprocess
@@ -70,6 +73,12 @@ def first_reply(km: KernelManager, timeout: float = 300) -> None:
         kc.stop_channels()
 
 
+def cpu() -> float:
+    """CPU seconds of this process so far (all threads: the checkout's)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def settle(helper: HelperClient, pid: int) -> float:
     """Wait until a lazily restored kernel's pages are all back; the helper's time from the
     restore's start until then."""
@@ -85,15 +94,15 @@ def settle(helper: HelperClient, pid: int) -> float:
 def restore_once(km: KernelManager, engine: SnapshotEngine, helper: HelperClient,
                  commit_id: str, mib: int, stream: bool) -> dict[str, float]:
     info: dict = {"pages_may_stream": stream}  # as the server's restore flow asks
-    t0 = time.perf_counter()
+    c0, t0 = cpu(), time.perf_counter()
     images = engine.materialize(commit_id, info)
-    t1 = time.perf_counter()
+    c1, t1 = cpu(), time.perf_counter()
     km.provisioner.restoring = True
     res = engine.restore(images, km.provisioner.root_pid)
     km.provisioner.attach(res.pid)
     first_reply(km)
     t2 = time.perf_counter()
-    got = {"checkout": t1 - t0, "restore": t2 - t1, "total": t2 - t0,
+    got = {"checkout": t1 - t0, "restore": t2 - t1, "total": t2 - t0, "cpu": c1 - c0,
            "from_store": float(bool(info.get("pages_from_store")))}
     if engine.lazy_restore:
         assert res.phases.get("pages"), f"restored whole: {res.phases.get('whole_why')}"
@@ -170,10 +179,11 @@ def main() -> None:
           f"{min(loads):.2f}-{max(loads):.2f}")
     print()
     print("| restore | store | checkout s | restore to first answer s | user's wait s "
-          "| wait vs plain | checkout vs plain | all resident s (lazy) | pages from store |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| wait vs plain | checkout vs plain | checkout CPU s | all resident s (lazy) "
+          "| pages from store |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for mode in args.modes:
-        keys = ("checkout", "restore", "total", "from_store") + (
+        keys = ("checkout", "restore", "total", "cpu", "from_store") + (
             ("resident",) if mode != "whole" else ())
         med = {n: {k: statistics.median(s[k] for s in samples[(mode, n)]) for k in keys}
                for n in STORES}
@@ -182,7 +192,8 @@ def main() -> None:
             resident = f"{m['resident']:.3f}" if "resident" in m else "-"
             print(f"| {mode} | {name} | {m['checkout']:.3f} | {m['restore']:.3f} | "
                   f"{m['total']:.3f} | {100 * m['total'] / med['plain']['total']:.0f}% | "
-                  f"{100 * m['checkout'] / med['plain']['checkout']:.0f}% | {resident} | "
+                  f"{100 * m['checkout'] / med['plain']['checkout']:.0f}% | {m['cpu']:.2f} | "
+                  f"{resident} | "
                   f"{'yes' if m['from_store'] else 'no'} |")
     print()
     for (mode, name), runs in samples.items():
