@@ -126,6 +126,7 @@ def main() -> None:
     ap.add_argument("--dir", default="/var/tmp")
     args = ap.parse_args()
     use_infinijup_kernelspec()
+    spec_dir = os.environ["JUPYTER_PATH"]
     daemon = start_helper()
     work = Path(tempfile.mkdtemp(prefix="ij-encrestore-", dir=args.dir))
     km = KernelManager(kernel_name="infinijup")
@@ -168,7 +169,8 @@ def main() -> None:
     finally:
         km.shutdown_kernel(now=True)
         daemon.stop()
-        shutil.rmtree(work, ignore_errors=True)
+        for path in (work, daemon.base, spec_dir):  # nothing of this run left behind
+            shutil.rmtree(path, ignore_errors=True)
     cpu = subprocess.run(["sh", "-c", "lscpu | sed -n 's/^Model name: *//p'"],
                          capture_output=True, text=True).stdout.strip()
     print(f"Machine: {platform.node()}, {cpu}, {os.cpu_count()} cores; "
