@@ -541,6 +541,16 @@ class CriuRestore(StageBase):
                                         watch=pages_unchanged, on_abort=aborted,
                                         cgroup_procs=job.cgroup_procs, inherit=inherit,
                                         lazy=stream is not None)
+        except RequestError as exc:
+            if stream is None:
+                raise
+            stream.abort()
+            job.stream = None
+            why = stream.source.error if stream.source is not None else None
+            if why is None:
+                raise
+            # the daemon failed because its pages' source did: that is the reason to give
+            raise RequestError(exc.reason, f"{why}; {exc.message}") from exc
         except BaseException:
             if stream is not None:
                 stream.abort()

@@ -357,6 +357,7 @@ class _Proxy:
 
     def fetched(self, line: str) -> None:
         """A line's answers, in the order asked, written into the staged files."""
+        ask = None
         try:
             while (ask := self.asked[line].get()) is not None:
                 data = _read_exact(self.lines[line], ask.length)
@@ -374,6 +375,9 @@ class _Proxy:
             self._fail(f"the source stopped answering ({exc.message})")
         except OSError as exc:
             self._fail(f"the source stopped answering ({exc.strerror or exc})")
+        finally:
+            if ask is not None:  # the one being read when it failed: let its waiter go
+                ask.done.set()
 
     def replies(self) -> None:
         """The daemon's answers, in the order it asked."""

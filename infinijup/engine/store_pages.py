@@ -39,6 +39,7 @@ from pathlib import Path
 from ..errors import RestoreFailed
 from ..store.checkout import Materializer
 from ..store.errors import ObjectMissing
+from ..store.faults import crashpoint
 from ..store.packs import DELTA, decode_payload
 from ..store.reader import ObjectReader
 from ..store.thinned import refuse_thinned
@@ -164,9 +165,9 @@ def main() -> None:
         pass
     listener.close()
     threads = []
-    for conn in conns:
+    for i, conn in enumerate(conns):  # the helper's faults first, then its stream
         conn.setblocking(True)
-        threads.append(threading.Thread(target=pages.serve, args=(conn,)))
+        threads.append(threading.Thread(target=pages.serve, args=(conn, i == 1)))
         threads[-1].start()
     for t in threads:
         t.join()
@@ -190,7 +191,7 @@ class StorePages:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="store-pages")
 
-    def serve(self, conn: socket.socket) -> None:
+    def serve(self, conn: socket.socket, stream: bool = False) -> None:
         """Answer the helper's asks until it lets go."""
         try:
             with conn:
@@ -198,6 +199,8 @@ class StorePages:
                 while head := f.read(4):
                     name = f.read(min(struct.unpack("<I", head)[0], 64)).decode()
                     offset, length = struct.unpack("<QQ", f.read(16))
+                    if stream:
+                        crashpoint("store_pages_stream")  # tests: the process dies mid-stream
                     conn.sendall(self.read(name, offset, length))
                     self.served += length
         except Exception as exc:  # noqa: BLE001 - the helper sees the connection end

@@ -39,6 +39,7 @@ from ..errors import InfinijupError, RestoreFailed
 from ..gpu import arena as gpu_arena
 from ..gpu.restore_rules import plan_gpu_restore
 from .history import check_new_thread, resolve
+from .kernel_status import pages
 
 
 @dataclass
@@ -199,6 +200,8 @@ class RestoreRun:
 
     async def answering(self, phases: dict) -> float:
         try:
+            if phases.get("pages"):  # memory still streaming in: its failure ends the wait
+                return await self.answering_while_pages_stream()
             return await wait_answering(self.km, self.m.answer_timeout)
         except RestoreFailed as exc:
             if not phases.get("adopted"):
@@ -207,6 +210,24 @@ class RestoreRun:
             self.km.session.key = self.session_key
             await self.recover(exc)
             raise
+
+    async def answering_while_pages_stream(self) -> float:
+        """The kernel's first answer, or at once the reason its memory could not be brought
+        back (the helper ended it: waiting the whole answer timeout would only hide why)."""
+        answer = asyncio.ensure_future(wait_answering(self.km, self.m.answer_timeout))
+        try:
+            while not answer.done():
+                await asyncio.wait({answer}, timeout=0.5)
+                if answer.done():
+                    break
+                now = await pages(self.km)
+                if now is not None and now.get("state") == "failed":
+                    why = (now.get("error") or "the page daemon failed").splitlines()[0]
+                    raise RestoreFailed(f"restore failed: the kernel's memory could not be "
+                                        f"brought back ({why})", reason="pages_failed")
+            return answer.result()
+        finally:
+            answer.cancel()
 
     async def adopt(self, info: dict) -> None:
         """The restored kernel takes this session's endpoints and key."""

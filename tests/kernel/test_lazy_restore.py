@@ -103,3 +103,51 @@ async def test_a_lazy_wake_keeps_every_byte_and_the_status_follows_the_pages(not
     assert now["pages"]["state"] == "resident" and now["pages"]["error"] is None, now
     assert now["pages"]["resident_s"] > 0
     assert await nb.value(DIGEST) == digest
+
+
+@needs_helper
+@pytest.mark.timeout(300)
+async def test_the_store_process_killed_mid_stream_ends_the_kernel_with_the_reason(
+        notebook, jp_serverapp, monkeypatch):
+    """The process serving a resume's pages from the store dies (SIGKILL at the 20th ask of
+    the helper's stream, store/faults.py): the kernel is not left hanging in a fault nor run
+    on zero pages; it is ended, the reason kept, and the snapshot resumes again. (The stream
+    starts with CRIU's restore: whether the resume has answered by then decides which of
+    the two outcomes below is seen; both keep every promise.)"""
+    nb = notebook
+    manager = jp_serverapp.web_app.settings["infinijup_manager"]
+    manager.lazy_restore, manager.pages_from_store_min_bytes, manager.hot_tier_bytes = True, 0, 1
+    await nb.execute("import os; blob = os.urandom(96 << 20)")
+    digest = await nb.value(DIGEST)
+    snap = await nb.snapshot(message="to resume")
+    await nb.fetch("api", "kernels", nb.kernel_id, method="DELETE")
+    nb.kernel_id = ""
+
+    monkeypatch.setenv("INFINIJUP_STORE_CRASH_AT", "store_pages_stream:20")  # of ~400 asks
+    r = await nb.post("resume", {"path": nb.path, "commit": snap["commit"]})
+    if r.code == 200:  # it answered before the 40th ask: the stream fails behind it
+        body = json.loads(r.body)
+        assert body["phases"]["pages_from_store"], body
+        other = await attach(Notebook(nb.fetch, nb.ws_fetch, nb.path), body["kernel_id"])
+        try:
+            pages = (await _status(other))["pages"]
+            while pages["state"] == "streaming":
+                await asyncio.sleep(0.05)
+                pages = (await _status(other))["pages"]
+        finally:
+            await other.close()
+        assert pages["state"] == "failed", pages
+        assert "the source stopped answering" in pages["error"], pages
+        await nb.fetch("api", "kernels", body["kernel_id"], method="DELETE")
+    else:  # the restore saw it (the kernel ended before it answered): with the reason
+        assert r.code == 500, r.body
+        assert "the source stopped answering" in json.loads(r.body)["message"], r.body
+
+    monkeypatch.delenv("INFINIJUP_STORE_CRASH_AT")
+    r = await nb.post("resume", {"path": nb.path, "commit": snap["commit"]})
+    assert r.code == 200, r.body
+    other = await attach(Notebook(nb.fetch, nb.ws_fetch, nb.path), json.loads(r.body)["kernel_id"])
+    try:
+        assert await other.value(DIGEST) == digest
+    finally:
+        await other.close()
