@@ -17,10 +17,10 @@ the images dir and names it (``RestoreArgs.page_source``). The helper then:
   own (``main``), so that the stream outlives a helper that dies or restarts.
 
 Wire to the source, per range: ``u32`` name length, the page file's name (``pages-N.img``),
-``u64`` offset, ``u64`` length; the answer is those bytes. A short answer, a closed
-connection or a wrong name ends the stream: the daemon fails, the tree is ended
-(lazy_pages.py), the reason recorded. Requests are pipelined: one thread sends, another
-forwards the answers in order.
+``u64`` offset, ``u64`` length; the answer is those bytes, in the order asked. The helper
+connects twice: faults on one connection, the background stream on the other (``_Proxy``).
+A short answer, a closed connection or a wrong name ends the stream: the daemon fails, the
+tree is ended (lazy_pages.py), the reason recorded.
 """
 
 from __future__ import annotations
