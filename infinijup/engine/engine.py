@@ -31,8 +31,9 @@ from ..store.objects import Blob, File
 from ..store.thinned import CommitThinned
 from ..store.writer import entries_from_dir
 from .hot_tier import HotTier, _allocated
+from .ingest_progress import CountingWriter, IngestProgress
 from .niced import run_niced
-from .store_pages import SOCKET, StorePagesProcess, checkout_except_pages, is_page_file
+from .store_pages import SOCKET, StorePagesProcess, checkout_serving_pages, pages_worth_serving
 
 Progress = Callable[[str, dict], None]
 _TAGGED = re.compile(r"^(\d+)\.(\d+)\.[0-9a-f]{32}$")  # <pid>.<start time>.<uuid>
@@ -304,7 +305,7 @@ class SnapshotEngine:
         try:
             holdpoint("before_ingest")
             with self.repo.writer() as w:
-                counted = _CountingWriter(w, _IngestProgress(on_progress, dumped.image_bytes))
+                counted = CountingWriter(w, IngestProgress(on_progress, dumped.image_bytes))
                 base_tree = self._base_tree(parents, thread)
                 top = entries_from_dir(counted, dumped.images, base_tree)
                 entries = {**top.entries, **self._extra_entries(counted, dumped, base_tree)}
@@ -416,35 +417,19 @@ class SnapshotEngine:
         return target
 
     def _pages_from_store(self, commit_id: str) -> bool:
-        """Restores leave the page files in the store (store_pages.py) where they are lazy
-        and large: the kernel runs once the small images are out, its memory follows from
-        the store. Small ones are checked out: the serving process's start and the chunks'
-        lookups cost more than a checkout of a few hundred MiB."""
-        if not self.lazy_restore:
-            return False
-        commit = self.repo.get_commit(commit_id)
-        pages = sum(e.size for e in self.repo.get_tree(commit.tree)
-                    if e.kind == "file" and is_page_file(e.name))
-        if pages < self.pages_from_store_min_bytes:
+        """Restores leave large page files in the store where the helper restores lazily
+        (store_pages.py)."""
+        if not self.lazy_restore or not pages_worth_serving(
+                self.repo, commit_id, self.pages_from_store_min_bytes):
             return False
         if self._lazy_here is None:
             self._lazy_here = bool(self.helper.hello().features.get("lazy_pages"))
         return self._lazy_here
 
     def _checkout_serving_pages(self, commit_id: str, target: Path) -> None:
-        """The small images checked out while the page files' server starts."""
-        served: list[StorePagesProcess] = []
-        try:
-            checkout_except_pages(self.repo, commit_id, target, lambda pages: served.append(
-                StorePagesProcess(self.repo, pages, target / SOCKET)))
-            if served:
-                served[0].wait_ready()
-        except BaseException:
-            for source in served:
-                source.stop_listening()
-            raise
-        if served:
-            self._page_sources[str(target)] = served[0]
+        source = checkout_serving_pages(self.repo, commit_id, target)
+        if source is not None:
+            self._page_sources[str(target)] = source
 
     def _link_hot(self, commit_id: str, target: Path) -> bool:
         if self.hot_tier_bytes <= 0:
@@ -500,48 +485,3 @@ class SnapshotEngine:
             phases["pages"] = dict(result.pages) if result.pages else None
             phases["whole_why"] = result.whole_why
         return RestoreResult(pid=result.pid, duration_s=time.perf_counter() - t0, phases=phases)
-
-
-class _IngestProgress:
-    """Counts the bytes read into the store; reports each further 5% as a ``store`` phase."""
-
-    def __init__(self, on_progress: Progress, total: int) -> None:
-        self.on_progress = on_progress
-        self.total = max(1, total)
-        self.done = 0
-        self.step = max(1, self.total // 20)
-        self.next = self.step
-
-    def __call__(self, n: int) -> None:
-        self.done += n
-        if self.done >= self.next:
-            self.next = self.done + self.step
-            frac = min(1.0, self.done / self.total)
-            self.on_progress("store", {"percent": 60 + 35 * frac, "message":
-                                       f"stored {self.done / 2**30:.2f} of "
-                                       f"{self.total / 2**30:.2f} GiB"})
-
-
-class _CountingWriter:
-    """What ``entries_from_dir`` needs of a Writer, counting the bytes it reads."""
-
-    def __init__(self, writer, count: Callable[[int], None]) -> None:  # noqa: ANN001
-        self.repo = writer.repo
-        self._writer = writer
-        self._count = count
-
-    def add_file(self, path, *, base=None):  # noqa: ANN001, ANN201
-        with open(path, "rb", buffering=0) as f:
-            return self._writer.add_stream(_CountedFile(f, self._count), base=base)
-
-
-class _CountedFile:
-    def __init__(self, f, count: Callable[[int], None]) -> None:  # noqa: ANN001
-        self._f = f
-        self._count = count
-
-    def readinto(self, buf) -> int:  # noqa: ANN001
-        n = self._f.readinto(buf)
-        if n:
-            self._count(n)
-        return n

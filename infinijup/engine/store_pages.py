@@ -82,6 +82,30 @@ def checkout_except_pages(repo, commit_id: str, target: Path,  # noqa: ANN001
                 os.symlink(entry.target, target / entry.name)
 
 
+def pages_worth_serving(repo, commit_id: str, min_bytes: int) -> bool:  # noqa: ANN001
+    """Whether the commit's page files hold ``min_bytes`` or more: below, a checkout is
+    quicker than the serving process's start and the chunks' lookups."""
+    commit = repo.get_commit(commit_id)
+    return sum(e.size for e in repo.get_tree(commit.tree)
+               if e.kind == "file" and is_page_file(e.name)) >= min_bytes
+
+
+def checkout_serving_pages(repo, commit_id: str, target: Path) -> StorePagesProcess | None:  # noqa: ANN001
+    """The small images checked out into ``target`` while the page files' server starts;
+    the server, ready (None: the commit has no page files)."""
+    served: list[StorePagesProcess] = []
+    try:
+        checkout_except_pages(repo, commit_id, target, lambda pages: served.append(
+            StorePagesProcess(repo, pages, target / SOCKET)))
+        if served:
+            served[0].wait_ready()
+    except BaseException:
+        for source in served:
+            source.stop_listening()
+        raise
+    return served[0] if served else None
+
+
 class _Blob:
     def __init__(self, repo, blob_id: str) -> None:  # noqa: ANN001
         self.size, self.chunks = repo.get_blob_chunks(blob_id)
