@@ -16,6 +16,9 @@ The points (KIND is ``dump`` or ``restore``):
   (dumped, still frozen); ``pre-restore``, ``post-restore`` (the tree created, not yet
   resumed), ``pre-resume``, ``post-resume``;
 * ``criu_KIND_response``: CRIU has answered, the helper has not acted on the answer yet;
+* ``lazy_pages_held``: a lazy restore's userfaultfds taken from CRIU's page daemon at
+  post-restore, before it has served or streamed a page; ``lazy_pages_renew`` and
+  ``lazy_pages_ended`` in the helper's watch of that daemon (lazy_pages.py);
 * ``cuda_locked``, ``cuda_checkpointed``, ``cuda_restored``: in the CUDA driver's checkpoint of a
   process (cuda_driver.py), for a dump and for a release or reacquire of a kernel's GPU.
 """

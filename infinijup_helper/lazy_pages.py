@@ -188,6 +188,9 @@ class PageStream:
                     "processes' memory to serve\n" + log_tail(self.staging_fd, LOG))
             time.sleep(0.005)
         self.state = "streaming"
+        # CRIU has not told the daemon the restore finished: it streams nothing in the
+        # background yet, and the tree is not resumed, so it has served no page
+        hold("lazy_pages_held", daemon_pid=self.proc.pid)
 
     def keep(self, resources: contextlib.ExitStack) -> None:
         """What must outlive the restore op until the daemon is done (the staging dir)."""

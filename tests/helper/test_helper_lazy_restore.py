@@ -4,6 +4,8 @@ zeroed memory) and leaves the images for a second restore."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 import signal
@@ -111,27 +113,71 @@ def test_the_page_daemon_dying_ends_the_kernel_and_keeps_the_images(
 
 
 def _restore_with_daemon_stopped(client, helper, images: str, trees, kernel: Kernel):  # noqa: ANN001, ANN202
-    """A lazy restore whose page daemon is stopped at CRIU's post-resume: the kernel runs, a
-    cell reading every byte is sent, and it waits in a fault (seen in the uffds' counts)."""
+    """A lazy restore whose page daemon is stopped mid-stream: the kernel runs, a cell
+    reading every byte is sent, and it waits in a fault (seen in the uffds' counts).
+
+    The daemon is stopped at CRIU's post-resume, streaming: stopped earlier, it sits in an
+    epoll_wait that a stop and continue end with EINTR, and CRIU's daemon exits on that. So
+    that it cannot stream everything and exit before the stop (a loaded machine did that
+    once), it runs on 1 ms of CPU a second from the moment the helper took its userfaultfds
+    (before it served a page) until it is stopped."""
     holds = Path(helper.holds_dir)
-    point = holds / "criu_restore_post-resume"
-    (holds / "criu_restore_post-resume.reached").unlink(missing_ok=True)
-    point.touch()
+    taken, resumed = holds / "lazy_pages_held", holds / "criu_restore_post-resume"
+    for point in (taken, resumed):
+        Path(f"{point}.reached").unlink(missing_ok=True)
+        point.touch()
     result: dict = {}
     worker = threading.Thread(target=lambda: result.update(
         r=client.restore(images, replace_pid=kernel.pid, lazy=True)))
     worker.start()
-    _wait(lambda: (holds / "criu_restore_post-resume.reached").exists(), "post-resume")
-    daemon = _daemon_of(helper)
-    os.kill(daemon, signal.SIGSTOP)
-    point.unlink()
-    (holds / "criu_restore_post-resume.reached").unlink()
+    _wait(Path(f"{taken}.reached").exists, "the daemon's userfaultfds taken")
+    daemon = json.loads(Path(f"{taken}.reached").read_text())["daemon_pid"]
+    assert _daemon_of(helper) == daemon
+    with _cpu_starved(daemon):
+        taken.unlink()
+        _wait(Path(f"{resumed}.reached").exists, "post-resume")
+        os.kill(daemon, signal.SIGSTOP)
+    resumed.unlink()
+    for point in (taken, resumed):
+        Path(f"{point}.reached").unlink()
     worker.join(timeout=120)
     restored = result["r"]
     trees.add(restored.pid)
     kernel.kc.execute(CHECK, store_history=False)
     _wait(lambda: _faults_waiting(helper) > 0, "the kernel to wait in a page fault")
     return restored, daemon
+
+
+@contextlib.contextmanager
+def _cpu_starved(pid: int) -> Iterator[None]:
+    """``pid`` in a cgroup of its own allowed 1 ms of CPU a second (v1's cpu controller or
+    v2's cpu.max), back where it was afterwards."""
+    v1 = Path("/sys/fs/cgroup/cpu")
+    if (v1 / "cpu.cfs_quota_us").exists():
+        before = next(line.split(":", 2)[2] for line in
+                      Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+                      if "cpu" in line.split(":", 2)[1].split(","))
+        home, group = v1 / before.lstrip("/"), v1 / f"ijtest-starved-{pid}"
+        group.mkdir()
+        (group / "cpu.cfs_period_us").write_text("1000000")
+        (group / "cpu.cfs_quota_us").write_text("1000")
+    else:
+        root = Path("/sys/fs/cgroup")
+        assert "cpu" in (root / "cgroup.controllers").read_text().split(), \
+            "no cgroup cpu controller to slow the page daemon with"
+        before = next(line.split(":", 2)[2] for line in
+                      Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+                      if line.startswith("0::"))
+        home, group = root / before.lstrip("/"), root / f"ijtest-starved-{pid}"
+        (root / "cgroup.subtree_control").write_text("+cpu")
+        group.mkdir()
+        (group / "cpu.max").write_text("1000 1000000")
+    try:
+        (group / "cgroup.procs").write_text(str(pid))
+        yield
+    finally:
+        (home / "cgroup.procs").write_text(str(pid))
+        group.rmdir()
 
 
 def test_a_renewal_after_the_daemon_died_keeps_every_fault_waiting(
