@@ -8,16 +8,26 @@ and the first cell, sent right after the answer, that reads every byte (a blake2
 whole blob): in a lazy restore it runs while the rest streams in. Medians; the images sit in the page cache (a hot restore, like the hot tier's).
 
     python3 bench/lazy_restore_bench.py --mib 256 3072 --runs 5
+
+``--store`` adds a third restore, lazy with the page files read from a store: the images
+committed to a store in the bench's base, the page files moved out of the images dir and
+served by the server's serving process (engine/store_pages.py) through the helper's page
+source (infinijup_helper/page_source.py), as a wake from the store serves them. Its time to
+the first answer includes the serving process's start (it is started per restore).
+With ``--store`` the kernel's bytes are all distinct (a repeated MiB would be one chunk).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import queue
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 from benchkit import helper_in_base
 
@@ -25,9 +35,44 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "helpe
 from helperkit import Trees, start_kernel  # noqa: E402
 
 
-def _fill(kernel, mib: int) -> None:  # noqa: ANN001
-    kernel.execute(f"import os, hashlib\nblob = bytearray(os.urandom(1 << 20)) * {mib}\n"
+def _fill(kernel, mib: int, distinct: bool) -> None:  # noqa: ANN001
+    blob = f"os.urandom({mib} << 20)" if distinct else f"os.urandom(1 << 20) * {mib}"
+    kernel.execute(f"import os, hashlib\nblob = bytearray({blob})\n"
                    "digest = hashlib.blake2b(blob).hexdigest()", timeout=600)
+
+
+class _FromStore:
+    """The images' page files in a store, served on ``pages.sock`` in the images dir."""
+
+    def __init__(self, images: str, store: str) -> None:
+        from infinijup.engine.store_pages import is_page_file
+        from infinijup.store import Repository
+
+        self.images, self.repo = Path(images), Repository.init(store)
+        commit = self.repo.commit_dir(images, thread="bench", message="lazy restore bench")
+        self.pages = {e.name: e.id for e in self.repo.get_tree(commit.tree)
+                      if e.kind == "file" and is_page_file(e.name)}
+        self.kept = Path(store) / "kept"
+        self.kept.mkdir()
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        from infinijup.engine.store_pages import SOCKET, StorePagesProcess
+
+        for name in self.pages:
+            os.rename(self.images / name, self.kept / name)
+        source = None
+        try:
+            source = StorePagesProcess(self.repo, self.pages, self.images / SOCKET)
+            source.wait_ready()
+            yield
+        finally:
+            if source is not None:
+                source.stop_listening()
+                source.proc.wait(timeout=600)
+            (self.images / SOCKET).unlink(missing_ok=True)
+            for name in self.pages:
+                os.rename(self.kept / name, self.images / name)
 
 
 def _touch_all_s(kernel) -> float:  # noqa: ANN001
@@ -55,9 +100,17 @@ def _first_reply(kernel) -> None:  # noqa: ANN001
     raise TimeoutError("the kernel did not answer")
 
 
-def _one(client, kernel, images: str, lazy: bool) -> dict:  # noqa: ANN001
+def _one(client, kernel, images: str, mode: str, store: _FromStore | None) -> dict:  # noqa: ANN001
+    lazy = mode != "whole"
     start = time.monotonic()
-    restored = client.restore(images, replace_pid=kernel.pid, lazy=lazy)
+    with store.serving() if mode == "store" else contextlib.nullcontext():
+        restored = client.restore(images, replace_pid=kernel.pid, lazy=lazy,
+                                  page_source="pages.sock" if mode == "store" else None)
+        row = _after_restore(client, kernel, restored, start, lazy)
+    return row
+
+
+def _after_restore(client, kernel, restored, start: float, lazy: bool) -> dict:  # noqa: ANN001
     kernel.pid = restored.pid
     _first_reply(kernel)
     row = {"answer": time.monotonic() - start, "resident": None}
@@ -76,46 +129,62 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, nargs="+", default=[256, 3072])
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--store", action="store_true",
+                    help="also restore lazily with the page files served from a store")
     args = ap.parse_args()
+    modes = ["whole", "lazy"] + (["store"] if args.store else [])
     from infinijup.helper_client import HelperClient
 
     rows = []
-    with helper_in_base() as (_base, helper):
+    with helper_in_base() as (base, helper):
         client = HelperClient(helper.socket_path, timeout=900)
         for mib in args.mib:
             trees = Trees()
             kernel = start_kernel(client, trees)
             try:
-                _fill(kernel, mib)
+                _fill(kernel, mib, distinct=args.store)
                 images = os.path.join(client.work_dir(), f"lazy-bench-{mib}")
                 client.dump(kernel.pid, images)
-                got: dict[bool, list[dict]] = {False: [], True: []}
+                store = _FromStore(images, str(base / f"store-{mib}")) if args.store else None
+                got: dict[str, list[dict]] = {m: [] for m in modes}
                 for _ in range(args.runs):
-                    for lazy in (False, True):
-                        got[lazy].append(_one(client, kernel, images, lazy))
+                    for mode in modes:
+                        got[mode].append(_one(client, kernel, images, mode, store))
                         trees.add(kernel.pid)
                 client.release(images)
             finally:
                 kernel.close()
                 trees.cleanup()
-            med = {k: {f: statistics.median(r[f] for r in v if r[f] is not None)
-                       for f in ("answer", "touch")} for k, v in got.items()}
-            resident = statistics.median(r["resident"] for r in got[True])
-            rows.append((mib, med[False]["answer"], med[True]["answer"], resident,
-                         mib / 1024 / resident, med[False]["touch"], med[True]["touch"]))
+            rows.append((mib, _medians(got)))
     print(f"\nlazy against whole restore, medians of {args.runs} alternating runs "
           f"({os.cpu_count()} CPUs)\n")
-    print("| kernel | whole: first answer | lazy: first answer | lazy: all resident "
-          "| resident rate | whole: cell reading all | lazy: cell reading all |")
-    print("|---|---|---|---|---|---|---|")
-    for mib, wa, la, res, rate, wt, lt in rows:
-        print(f"| {mib} MiB | {wa:.3f} s | {la:.3f} s | {res:.3f} s | {rate:.2f} GiB/s "
-              f"| {wt:.3f} s | {lt:.3f} s |")
+    print("| kernel | restore | first answer | all resident | resident rate "
+          "| cell reading all |")
+    print("|---|---|---|---|---|---|")
+    for mib, med in rows:
+        for mode in modes:
+            m = med[mode]
+            res = (f"{m['resident']:.3f} s | {mib / 1024 / m['resident']:.2f} GiB/s"
+                   if m["resident"] is not None else "- | -")
+            print(f"| {mib} MiB | {LABELS[mode]} | {m['answer']:.3f} s | {res} "
+                  f"| {m['touch']:.3f} s |")
     if len(rows) > 1:
-        base = rows[0]
-        for row in rows[1:]:
-            print(f"\nlazy first answer, {row[0]} MiB against {base[0]} MiB: "
-                  f"{row[2] / base[2]:.2f}x (whole: {row[1] / base[1]:.2f}x)")
+        (small, first), *rest = rows
+        for mib, med in rest:
+            print(f"\nfirst answer, {mib} MiB against {small} MiB: " + ", ".join(
+                f"{LABELS[m]} {med[m]['answer'] / first[m]['answer']:.2f}x" for m in modes))
+
+
+LABELS = {"whole": "whole", "lazy": "lazy", "store": "lazy, pages from a store"}
+
+
+def _medians(got: dict[str, list[dict]]) -> dict[str, dict]:
+    out = {}
+    for mode, runs in got.items():
+        out[mode] = {f: statistics.median(r[f] for r in runs) for f in ("answer", "touch")}
+        resident = [r["resident"] for r in runs if r["resident"] is not None]
+        out[mode]["resident"] = statistics.median(resident) if resident else None
+    return out
 
 
 if __name__ == "__main__":
