@@ -38,6 +38,10 @@ ASK = struct.Struct("<QQ")  # after the name: offset, length
 MAX_ASK = 64 << 20  # one daemon request's bytes at most (it asks for far less)
 
 
+class SourceGone(OSError):
+    """Asking the source failed: it closed or died."""
+
+
 def untrusted(msg: str) -> RequestError:
     return RequestError("bad_request", f"page source: {msg}")
 
@@ -142,7 +146,10 @@ class _Proxy:
         if self.ended.is_set():
             raise OSError("the stream ended")
         ask = _Ask(pages, offset, length, background)
-        send_ask(self.lines[line], pages, offset, length)
+        try:
+            send_ask(self.lines[line], pages, offset, length)
+        except OSError as exc:
+            raise SourceGone(f"the source stopped answering ({exc.strerror or exc})") from None
         self.asked[line].put(ask)
         first = offset // PAGE
         self.claimed[pages][first:first + length // PAGE] = b"\1" * (length // PAGE)
@@ -199,6 +206,8 @@ class _Proxy:
                     waits = self._cover(m.pages, (offset, length), (start, stop - start),
                                         "fault")
                 self.answers.put((reply, m.pages, offset, length, waits))
+        except SourceGone as exc:
+            self._fail(str(exc))
         except Exception as exc:  # noqa: BLE001 - any failure ends the stream, with its reason
             self._fail(f"the page daemon's request: {exc}")
         finally:

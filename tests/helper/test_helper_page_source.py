@@ -138,12 +138,17 @@ def test_pages_come_from_the_source_and_every_one_arrives(client, kernel: Kernel
 def test_a_source_that_stops_mid_stream_ends_the_kernel_with_the_reason(
         client, kernel: Kernel, trees, tmp_path) -> None:
     images, kept, total = _dump_without_pages(client, kernel, tmp_path)
-    source = FileSource(Path(images) / "pages.sock", kept, stop_after=total // 2)
+    # held at half the pages until the restore has answered (the stream runs from the page
+    # daemon's start: a source that stopped earlier would fail the restore itself), then
+    # stopping at its next ask
+    source = FileSource(Path(images) / "pages.sock", kept, hold_after=total // 2)
     try:
         restored = client.restore(images, replace_pid=kernel.pid, lazy=True,
                                   page_source="pages.sock")
         trees.add(restored.pid)
-        assert source.stopped.wait(120), "the source was never asked for half the pages"
+        source.stop_after = 0
+        source.go.set()
+        assert source.stopped.wait(120), "the source was never asked again"
         from test_helper_lazy_restore import _wait
 
         status = _wait(lambda: (s := client.status(restored.pid)).pages["state"] != "streaming"
