@@ -235,7 +235,7 @@ class StorePages:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self.reader.close()
 
-    def read(self, name: str, offset: int, length: int) -> bytes:
+    def read(self, name: str, offset: int, length: int) -> bytes | memoryview:
         blob = self.files[name]
         if offset + length > blob.size:
             raise ValueError(f"{name}: {offset}+{length} is past its {blob.size} bytes")
@@ -247,9 +247,9 @@ class StorePages:
             parts = list(self._pool.map(lambda r: self._decode(blob, r), runs))
         else:
             parts = [self._decode(blob, r) for r in runs]
-        joined = b"".join(parts)
+        joined = parts[0] if len(parts) == 1 else b"".join(parts)
         skip = offset - blob.starts[first]
-        return joined[skip:skip + length]
+        return memoryview(joined)[skip:skip + length]  # the bytes asked, not copied again
 
     def _runs(self, blob: _Blob, first: int, last: int) -> list[tuple[int, int]]:
         """Chunks [first, last) cut into runs of neighbours in one pack (one read each),
@@ -282,11 +282,11 @@ class StorePages:
         stored = os.pread(self.reader.pack_fd(first.pack), size, first.offset)
         if len(stored) != size:
             raise ObjectMissing(f"pack {first.pack}: short read")
-        out, at = [], 0
+        out, at, view = [], 0, memoryview(stored)
         for k in range(i, j):
             oid = blob.chunks[k]
             loc = blob.locs[oid]
-            payload = stored[at:at + loc.length]
+            payload = view[at:at + loc.length]  # a raw chunk's bytes are not copied
             at += loc.length
             if self.reader.repo.key is not None:
                 payload = self.reader.open(oid, loc, payload)
