@@ -106,8 +106,7 @@ def _one(client, kernel, images: str, mode: str, store: _FromStore | None) -> di
     with store.serving() if mode == "store" else contextlib.nullcontext():
         restored = client.restore(images, replace_pid=kernel.pid, lazy=lazy,
                                   page_source="pages.sock" if mode == "store" else None)
-        row = _after_restore(client, kernel, restored, start, lazy)
-    return row
+        return _after_restore(client, kernel, restored, start, lazy)
 
 
 def _after_restore(client, kernel, restored, start: float, lazy: bool) -> dict:  # noqa: ANN001

@@ -31,11 +31,10 @@ from ..store.objects import Blob, File
 from ..store.thinned import CommitThinned
 from ..store.writer import entries_from_dir
 from .hot_tier import HotTier, _allocated
-from .ingest_progress import CountingWriter, IngestProgress
+from .ingest_progress import CountingWriter, IngestProgress, Progress
 from .niced import run_niced
 from .store_pages import SOCKET, StorePagesProcess, checkout_serving_pages, pages_worth_serving
 
-Progress = Callable[[str, dict], None]
 _TAGGED = re.compile(r"^(\d+)\.(\d+)\.[0-9a-f]{32}$")  # <pid>.<start time>.<uuid>
 
 

@@ -216,10 +216,7 @@ class RestoreRun:
         back (the helper ended it: waiting the whole answer timeout would only hide why)."""
         answer = asyncio.ensure_future(wait_answering(self.km, self.m.answer_timeout))
         try:
-            while not answer.done():
-                await asyncio.wait({answer}, timeout=0.5)
-                if answer.done():
-                    break
+            while not (await asyncio.wait({answer}, timeout=0.5))[0]:
                 now = await pages(self.km)
                 if now is not None and now.get("state") == "failed":
                     why = (now.get("error") or "the page daemon failed").splitlines()[0]

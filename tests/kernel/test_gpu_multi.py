@@ -18,8 +18,8 @@ import shutil
 import subprocess
 
 import pytest
-from kernelkit import Notebook, needs_helper
-from test_resume import attach
+from kernelkit import needs_helper
+from test_resume import value_after_resume
 
 HAS_GPU = os.path.exists("/dev/nvidiactl") and shutil.which("nvidia-smi") is not None
 
@@ -142,13 +142,7 @@ async def test_release_and_wake_then_resume_into_a_new_kernel(notebook, jp_serve
     # the kernel ends (its pids and both cards free); the snapshot resumes in a new kernel
     await nb.fetch("api", "kernels", nb.kernel_id, method="DELETE")
     nb.kernel_id = ""
-    r = await nb.post("resume", {"path": nb.path, "commit": snap["commit"]})
-    assert r.code == 200, r.body
-    other = await attach(Notebook(nb.fetch, nb.ws_fetch, nb.path), json.loads(r.body)["kernel_id"])
-    try:
-        assert await other.value(NEXT) == expected
-    finally:
-        await other.close()
+    assert await value_after_resume(nb, snap["commit"], NEXT) == expected
 
 
 async def test_branch_from_an_older_snapshot_then_hibernate_and_wake(notebook, jp_serverapp):
@@ -240,13 +234,7 @@ async def test_a_model_over_every_card_snapshots_restores_and_resumes(notebook):
 
     await nb.fetch("api", "kernels", nb.kernel_id, method="DELETE")
     nb.kernel_id = ""
-    r = await nb.post("resume", {"path": nb.path, "commit": snap["commit"]})
-    assert r.code == 200, r.body
-    other = await attach(Notebook(nb.fetch, nb.ws_fetch, nb.path), json.loads(r.body)["kernel_id"])
-    try:
-        assert await other.value("every()") == expected
-    finally:
-        await other.close()
+    assert await value_after_resume(nb, snap["commit"], "every()") == expected
 
 
 NCCL = """

@@ -11,7 +11,7 @@ import time
 
 import pytest
 from kernelkit import Notebook, needs_helper
-from test_resume import attach
+from test_resume import attach, value_after_resume
 
 DIGEST = "__import__('hashlib').blake2b(blob).hexdigest()"
 
@@ -144,10 +144,4 @@ async def test_the_store_process_killed_mid_stream_ends_the_kernel_with_the_reas
         assert "the source stopped answering" in json.loads(r.body)["message"], r.body
 
     monkeypatch.delenv("INFINIJUP_STORE_CRASH_AT")
-    r = await nb.post("resume", {"path": nb.path, "commit": snap["commit"]})
-    assert r.code == 200, r.body
-    other = await attach(Notebook(nb.fetch, nb.ws_fetch, nb.path), json.loads(r.body)["kernel_id"])
-    try:
-        assert await other.value(DIGEST) == digest
-    finally:
-        await other.close()
+    assert await value_after_resume(nb, snap["commit"], DIGEST) == digest

@@ -40,6 +40,17 @@ async def resume(nb: Notebook, commit: str, **body) -> tuple[int, dict]:
     return r.code, json.loads(r.body)
 
 
+async def value_after_resume(nb: Notebook, commit: str, expr: str) -> object:
+    """``commit`` resumed into a new kernel of ``nb``'s notebook, ``expr``'s value there."""
+    code, body = await resume(nb, commit)
+    assert code == 200, body
+    other = await attach(Notebook(nb.fetch, nb.ws_fetch, nb.path), body["kernel_id"])
+    try:
+        return await other.value(expr)
+    finally:
+        await other.close()
+
+
 async def kernel_ids(nb: Notebook) -> set[str]:
     r = await nb.fetch("api", "kernels")
     return {k["id"] for k in json.loads(r.body)}
