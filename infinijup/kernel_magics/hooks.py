@@ -52,7 +52,7 @@ def run_quiesce() -> dict:
     t0 = time.perf_counter()
     refused = unsavable.why()
     if refused is not None:  # nothing is touched: the server says why, the kernel runs on
-        return {"hook_errors": [], "refused": refused, "refused_reason": unsavable.REASON,
+        return {"hook_errors": [], "refused": refused[1], "refused_reason": refused[0],
                 "quiesce_s": time.perf_counter() - t0}
     # First the engines with loops of their own (engines.py): parked, they launch no more GPU
     # work and change no queue while the hooks below synchronize and the memory moves out.

@@ -1,10 +1,13 @@
-"""A kernel holding a live NCCL communicator is refused before anything is frozen (issue 33).
+"""A kernel holding a live NCCL communicator, or GPU memory shared with another process
+through CUDA IPC, is refused before anything is frozen (issue 33).
 
 Through the real server, helper and kernel: the snapshot (REST and ``%snapshot``) answers
-422 ``live_nccl`` with what to do, no commit is made and the kernel runs on as it was; once
-the group is destroyed, the same kernel snapshots. The communicator itself is a stand-in here
-(``torch.distributed`` answering as a process group on NCCL does: this machine has no GPU and
-no torch); the real one runs on the GPU machine (tests/kernel/test_gpu_multi.py).
+422 (``live_nccl``, ``cuda_ipc``) with what to do, no commit is made and the kernel runs on as
+it was; once the group is destroyed or the shared tensors are gone, the same kernel snapshots.
+The communicator and PyTorch's sharing cache are stand-ins here (modules answering as
+``torch.distributed`` on NCCL and ``torch.multiprocessing.reductions`` holding a received CUDA
+storage do: this machine has no GPU and no torch); the real ones run on the GPU machine
+(tests/kernel/test_gpu_multi.py).
 """
 
 from __future__ import annotations
@@ -49,3 +52,46 @@ async def test_a_live_nccl_group_is_refused_and_the_kernel_runs_on(notebook):
     await nb.execute("weights.append(1)")
     await nb.restore(snap["commit"])
     assert await nb.value("len(weights)") == 1000
+
+
+SHARED_CUDA_STORAGE = """
+import sys, types
+
+class Storage:
+    def __init__(self, device):
+        self.device = types.SimpleNamespace(type=device)
+
+class Ref:  # as torch.multiprocessing's StorageWeakRef: cdata, expired()
+    def __init__(self, storage):
+        self.cdata, self.storage = id(storage), storage
+    def expired(self):
+        return self.storage is None
+
+live = {}
+torch = types.ModuleType("torch")
+torch.UntypedStorage = types.SimpleNamespace(_new_with_weak_ptr=lambda cdata: live.get(cdata))
+reductions = types.ModuleType("torch.multiprocessing.reductions")
+cpu, cuda = Storage("cpu"), Storage("cuda")
+live.update({id(cpu): cpu, id(cuda): cuda})
+reductions.shared_cache = {"fd": Ref(cpu), b"cuda-ipc-handle": Ref(cuda)}
+sys.modules.update({"torch": torch, "torch.multiprocessing.reductions": reductions})
+weights = list(range(1000))
+"""
+
+
+async def test_gpu_memory_shared_with_another_process_is_refused(notebook):
+    nb = notebook
+    await nb.execute(SHARED_CUDA_STORAGE)
+    r = await nb.post("snapshot", {"kernel_id": nb.kernel_id})
+    assert r.code == 422, r.body
+    body = json.loads(r.body)
+    assert body["reason"] == "cuda_ipc", body
+    assert "1 CUDA storage sent or received" in body["message"], body
+    assert (await nb.history())["commits"] == []
+    assert await nb.value("sum(weights)") == sum(range(1000))
+
+    # the received tensor deleted: its weak reference expires (a CPU storage shared the
+    # same way stays, and stops nothing)
+    await nb.execute("reductions.shared_cache[b'cuda-ipc-handle'].storage = None")
+    snap = await nb.snapshot(message="nothing shared on the GPU")
+    assert [c["id"] for c in (await nb.history())["commits"]] == [snap["commit"]]
