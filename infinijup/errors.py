@@ -78,6 +78,14 @@ class SnapshotFailed(InfinijupError):
     http_status = 500
 
 
+class KernelUnsavable(SnapshotFailed):
+    """The kernel holds something no snapshot can carry, found by CRIU as it dumped; the
+    kernel was resumed as it was, and the message says what to do (422)."""
+
+    reason = "unsavable"
+    http_status = 422
+
+
 class RestoreFailed(InfinijupError):
     """A restore failed; the kernel that ran before is still usable or was restarted."""
 

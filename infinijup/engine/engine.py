@@ -30,6 +30,7 @@ from ..store.faults import holdpoint
 from ..store.objects import Blob, File
 from ..store.thinned import CommitThinned
 from ..store.writer import entries_from_dir
+from . import criu_hints
 from .hot_tier import HotTier, _allocated
 from .ingest_progress import CountingWriter, IngestProgress, Progress
 from .niced import run_niced
@@ -281,9 +282,12 @@ class SnapshotEngine:
             on_progress("dump", {"percent": 30})
             dump = self.helper.dump(pid, str(images), leave_running=True,
                                     on_progress=lambda ph, d: on_progress(ph, d))
-        except InfinijupError:
+        except InfinijupError as exc:
             self._discard(images)
-            raise
+            told = criu_hints.explain(exc)
+            if told is exc:
+                raise
+            raise told from exc
         except Exception as exc:
             self._discard(images)
             raise SnapshotFailed(f"snapshot failed: {exc}") from exc

@@ -7,7 +7,8 @@ it was; once the group is destroyed or the shared tensors are gone, the same ker
 The communicator and PyTorch's sharing cache are stand-ins here (modules answering as
 ``torch.distributed`` on NCCL and ``torch.multiprocessing.reductions`` holding a received CUDA
 storage do: this machine has no GPU and no torch); the real ones run on the GPU machine
-(tests/kernel/test_gpu_multi.py).
+(tests/kernel/test_gpu_multi.py). A multiprocessing semaphore that CRIU cannot save is real
+here: the snapshot fails with ``posix_semaphore`` saying what to do.
 """
 
 from __future__ import annotations
@@ -95,3 +96,26 @@ async def test_gpu_memory_shared_with_another_process_is_refused(notebook):
     await nb.execute("reductions.shared_cache[b'cuda-ipc-handle'].storage = None")
     snap = await nb.snapshot(message="nothing shared on the GPU")
     assert [c["id"] for c in (await nb.history())["commits"]] == [snap["commit"]]
+
+
+async def test_a_multiprocessing_semaphore_of_spawn_is_named_one_of_fork_is_saved(notebook):
+    """A multiprocessing Queue made with the spawn (or forkserver) start method keeps its POSIX
+    semaphore's file linked in /dev/shm under another name than the one mapped, which CRIU
+    cannot save: the snapshot fails saying which object and what to do, and the kernel runs
+    on. One made with fork is unlinked at once: CRIU saves its content, and it comes back."""
+    nb = notebook
+    await nb.execute("import gc, multiprocessing as mp\nq = mp.get_context('spawn').Queue()\n"
+                     "weights = list(range(1000))")
+    r = await nb.post("snapshot", {"kernel_id": nb.kernel_id})
+    body = json.loads(r.body)
+    assert (r.code, body["reason"]) == (422, "posix_semaphore"), r.body
+    assert "get_context('fork')" in body["message"], body
+    assert (await nb.history())["commits"] == []
+    assert await nb.value("sum(weights)") == sum(range(1000))
+
+    await nb.execute("q.close(); del q; gc.collect()\n"
+                     "q = mp.get_context('fork').Queue(); q.put('kept')")
+    snap = await nb.snapshot(message="a queue of fork")
+    assert await nb.value("q.get(timeout=60)") == "kept"
+    await nb.restore(snap["commit"])
+    assert await nb.value("q.get(timeout=60)") == "kept"
