@@ -31,12 +31,16 @@ class FileSource:
     the connections (``stopped`` is set then)."""
 
     def __init__(self, where: Path, files: Path, stop_after: int | None = None,
-                 hold_after: int | None = None) -> None:
+                 hold_after: int | None = None, stream_held: bool = False) -> None:
         self.files = files
         self.stop_after = stop_after
         self.hold_after = hold_after  # after this many bytes, wait for ``go``
         self.holding = threading.Event()
         self.go = threading.Event()
+        # the second connection (the helper's stream) waits for this before each ask
+        self.stream_go = threading.Event()
+        if not stream_held:
+            self.stream_go.set()
         self.served = 0
         self.asked: list[tuple[str, int, int]] = []
         self.stopped = threading.Event()
@@ -56,17 +60,20 @@ class FileSource:
             except OSError:
                 break
             self.conns.append(conn)
-            workers.append(threading.Thread(target=self._serve, args=(conn,), daemon=True))
+            workers.append(threading.Thread(target=self._serve, args=(conn, len(workers) == 1),
+                                            daemon=True))
             workers[-1].start()
         for w in workers:
             w.join()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, stream: bool) -> None:
         with conn:
             f = conn.makefile("rb")
             while head := f.read(4):
                 name = f.read(struct.unpack("<I", head)[0]).decode()
                 offset, length = struct.unpack("<QQ", f.read(16))
+                if stream:
+                    self.stream_go.wait()
                 with self.lock:
                     self.asked.append((name, offset, length))
                     stop = self.stop_after is not None and self.served + length > self.stop_after
@@ -138,16 +145,16 @@ def test_pages_come_from_the_source_and_every_one_arrives(client, kernel: Kernel
 def test_a_source_that_stops_mid_stream_ends_the_kernel_with_the_reason(
         client, kernel: Kernel, trees, tmp_path) -> None:
     images, kept, total = _dump_without_pages(client, kernel, tmp_path)
-    # held at half the pages until the restore has answered (the stream runs from the page
-    # daemon's start: a source that stopped earlier would fail the restore itself), then
-    # stopping at its next ask
-    source = FileSource(Path(images) / "pages.sock", kept, hold_after=total // 2)
+    # the stream held until the restore has answered (it runs from the page daemon's start:
+    # a source that stopped earlier would fail the restore itself; a hold by bytes could
+    # come before CRIU is done with the pages it reads itself), then stopping at its next ask
+    source = FileSource(Path(images) / "pages.sock", kept, stream_held=True)
     try:
         restored = client.restore(images, replace_pid=kernel.pid, lazy=True,
                                   page_source="pages.sock")
         trees.add(restored.pid)
         source.stop_after = 0
-        source.go.set()
+        source.stream_go.set()
         assert source.stopped.wait(120), "the source was never asked again"
         from test_helper_lazy_restore import _wait
 
@@ -215,10 +222,16 @@ def test_the_stream_outlives_a_helper_killed_while_it_runs(trees, tmp_path) -> N
         client = HelperClient(helper.socket_path, timeout=120)
         kernel = start_kernel(client, trees, name="streaming")
         images, kept, total = _dump_without_pages(client, kernel, tmp_path)
-        source = FileSource(Path(images) / "pages.sock", kept, hold_after=total // 3)
+        # the stream waits until the restore has answered (it could otherwise pass the hold
+        # before CRIU is done with the pages it reads itself): then the source holds a third
+        # of the way through what is left
+        source = FileSource(Path(images) / "pages.sock", kept, stream_held=True)
         restored = client.restore(images, replace_pid=kernel.pid, lazy=True,
                                   page_source="pages.sock")
         trees.add(restored.pid)
+        with source.lock:
+            source.hold_after = source.served + (total - source.served) // 3
+        source.stream_go.set()
         kernel.kc.execute(CHECK, store_history=False)  # reads every page: it must wait
         assert source.holding.wait(120), "the source was never asked for a third of the pages"
         helper.stop(signal.SIGKILL)
