@@ -34,13 +34,7 @@ from . import criu_hints
 from .hot_tier import HotTier, _allocated
 from .ingest_progress import CountingWriter, IngestProgress, Progress
 from .niced import run_niced
-from .store_pages import (
-    SOCKET,
-    SpareServer,
-    StorePagesProcess,
-    checkout_serving_pages,
-    pages_worth_serving,
-)
+from .store_pages import SOCKET, StorePagesProcess, checkout_serving_pages, pages_worth_serving
 
 _TAGGED = re.compile(r"^(\d+)\.(\d+)\.[0-9a-f]{32}$")  # <pid>.<start time>.<uuid>
 
@@ -116,6 +110,10 @@ def _data_ranges(fd: int):  # noqa: ANN202
         at = end
 
 
+def _data_bytes(fd: int) -> int:
+    return sum(n for _, n in _data_ranges(fd))
+
+
 def _copy_sparse(fd: int, target: Path) -> None:
     """Copy the file open at ``fd`` to ``target`` (new, 0600), its holes left holes."""
     size = os.fstat(fd).st_size
@@ -144,8 +142,7 @@ class SnapshotEngine:
     """Snapshot and restore kernel process trees, given a store and a helper client."""
 
     def __init__(self, repo, helper, hot_tier_bytes: int = 0, lazy_restore: bool = False,
-                 ingest_nice: int = 0, pages_from_store_min_bytes: int = 1 << 30,
-                 page_servers: SpareServer | None = None) -> None:
+                 ingest_nice: int = 0, pages_from_store_min_bytes: int = 1 << 30) -> None:
         self.repo = repo
         self.helper = helper
         self.hot_tier_bytes = hot_tier_bytes  # 0: no hot tier (see hot_tier.py)
@@ -156,7 +153,6 @@ class SnapshotEngine:
         self._lazy_here: bool | None = None  # the helper takes our restores lazily
         self.pages_from_store_min_bytes = pages_from_store_min_bytes
         self._page_sources: dict[str, StorePagesProcess] = {}  # images dir -> its pages' server
-        self.page_servers = page_servers or SpareServer(lambda: repo.path)  # the server's
 
     def work_dir(self) -> Path:
         if self._work_dir is None:
@@ -361,7 +357,7 @@ class SnapshotEngine:
             return False
         try:
             if dumped.extra:
-                extra = sum(n for fd in dumped.extra.values() for _, n in _data_ranges(fd))
+                extra = sum(_data_bytes(fd) for fd in dumped.extra.values())
                 if _allocated(dumped.images) + extra > self.hot_tier().budget:
                     return False
                 for name, fd in dumped.extra.items():
@@ -386,7 +382,7 @@ class SnapshotEngine:
         hot tier when it holds them, else checked out of the store (but for the page files,
         which the store serves as the restore needs them, where ``info["pages_may_stream"]``
         and the helper restores lazily: store_pages.py). ``info`` gets ``source`` ("hot" or
-        "store"), ``checkout_s``, ``pages_from_store`` and ``page_server``."""
+        "store"), ``checkout_s`` and ``pages_from_store``."""
         t0 = time.perf_counter()
         target = self._new_dir("restore")
         if self._link_hot(commit_id, target):
@@ -418,11 +414,9 @@ class SnapshotEngine:
         except BaseException:
             self._discard(target)
             raise
-        if info is not None:  # the pages' process, if any: started ahead, or now
-            served = self._page_sources.get(str(target))
+        if info is not None:
             info.update(source="store", checkout_s=time.perf_counter() - t0,
-                        pages_from_store=served is not None,
-                        page_server=served and ("ahead" if served.started_ahead else "started"))
+                        pages_from_store=str(target) in self._page_sources)
         return target
 
     def _pages_from_store(self, commit_id: str) -> bool:
@@ -436,7 +430,7 @@ class SnapshotEngine:
         return self._lazy_here
 
     def _checkout_serving_pages(self, commit_id: str, target: Path) -> None:
-        source = checkout_serving_pages(self.repo, commit_id, target, self.page_servers.take)
+        source = checkout_serving_pages(self.repo, commit_id, target)
         if source is not None:
             self._page_sources[str(target)] = source
 
@@ -488,7 +482,6 @@ class SnapshotEngine:
         finally:
             if source is not None:
                 source.stop_listening()  # the helper has connected by now, or never will
-                self.page_servers.refill()  # the next one, started now the restore is over
             self._discard(images)
         phases = dict(result.phases)
         if self.lazy_restore:  # the memory still streaming in, or why it was restored whole

@@ -8,19 +8,15 @@ helper asks for the few pages CRIU restores itself at once, and for the rest as 
 touches them or as CRIU's page daemon streams them in behind the running kernel. Each range
 is read from the chunks that hold it, verified as a checkout verifies them.
 
-The pages are served by a process of the server's user (``StorePagesProcess``, running
-``main``), not by the server: a server that restarts while a woken kernel's memory streams in
-must not end that kernel, and the chunks are decoded off the server's event loop. The process
-may be started ahead, before any restore needs it (the engine keeps one ready while a kernel
-hibernates): its imports and the store's opening (about 0.4 s on a 2-core VM) are then off the
-wake's path. Told a restore's page files, it binds the socket, looks up their chunks and opens
-the packs that hold them before the restore starts, so the remote tier's eviction or a gc
-meanwhile cannot take them from under the stream. The helper checks that the socket's peer is
-the caller. Two connections (faults, the stream); the process ends when the helper lets go (the
-memory is back, or the restore failed), or, once told the restore is over, at once if nobody
-connected; one started ahead and never used ends when its server lets go of it or ends. An
-encrypted store is unlocked again in that process (from the environment, as every process of
-the store).
+The pages are served by a process of the server's user started for the restore
+(``StorePagesProcess``, running ``main``), not by the server: a server that restarts while a
+woken kernel's memory streams in must not end that kernel, and the chunks are decoded off the
+server's event loop. The helper checks that the socket's peer is the caller. Two connections
+(faults, the stream); the process ends when the helper lets go (the memory is back, or the restore failed), or,
+once told the restore is over, at once if nobody connected. It opens the packs that hold the
+pages before the restore starts, so the remote tier's eviction or a gc meanwhile cannot take
+them from under the stream. An encrypted store is unlocked again in that process (from the
+environment, as every process of the store).
 """
 
 from __future__ import annotations
@@ -94,32 +90,20 @@ def pages_worth_serving(repo, commit_id: str, min_bytes: int) -> bool:  # noqa: 
                if e.kind == "file" and is_page_file(e.name)) >= min_bytes
 
 
-def checkout_serving_pages(repo, commit_id: str, target: Path,  # noqa: ANN001
-                           take: Callable[[], StorePagesProcess] | None = None
-                           ) -> StorePagesProcess | None:
-    """The small images checked out into ``target`` while a serving process (``take()``'s,
-    one started ahead, or a new one) looks the page files' chunks up; that process, ready
-    (None: the commit has no page files)."""
+def checkout_serving_pages(repo, commit_id: str, target: Path) -> StorePagesProcess | None:  # noqa: ANN001
+    """The small images checked out into ``target`` while the page files' server starts;
+    the server, ready (None: the commit has no page files)."""
     served: list[StorePagesProcess] = []
-
-    def serve(pages: dict[str, str]) -> None:
-        source = take() if take is not None else StorePagesProcess(repo.path)
-        served.append(source)
-        try:
-            source.serve(pages, target / SOCKET)
-        except OSError:  # it ended meanwhile: a new one
-            served.append(source := StorePagesProcess(repo.path))
-            source.serve(pages, target / SOCKET)
-
     try:
-        checkout_except_pages(repo, commit_id, target, serve)
+        checkout_except_pages(repo, commit_id, target, lambda pages: served.append(
+            StorePagesProcess(repo, pages, target / SOCKET)))
         if served:
-            served[-1].wait_ready()
+            served[0].wait_ready()
     except BaseException:
         for source in served:
             source.stop_listening()
         raise
-    return served[-1] if served else None
+    return served[0] if served else None
 
 
 class _Blob:
@@ -136,25 +120,23 @@ class _Blob:
 
 
 class StorePagesProcess:
-    """The server's side of a serving process: started at once (its imports, the store
-    opened), given one restore's page files by ``serve``, ready after ``wait_ready``."""
+    """The server's side: the socket bound at ``where`` and the serving process started
+    (``wait_ready``: its packs open)."""
 
-    def __init__(self, store: Path | str, *, ahead: bool = False) -> None:
-        self.started_ahead = ahead  # before any restore asked for it (SpareServer)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from infinijup.engine.store_pages import main; main()",
-             str(store)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            start_new_session=True)  # not the server's: a server restart leaves it be
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def serve(self, pages: dict[str, str], where: Path) -> None:
-        """The page files' blob ids by name, to serve on a socket the process binds at
-        ``where`` (OSError: the process has ended)."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"pages": pages, "socket": str(where)}).encode()
+    def __init__(self, repo, pages: dict[str, str], where: Path) -> None:  # noqa: ANN001
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            listener.bind(str(where))
+            listener.listen(1)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", "from infinijup.engine.store_pages import main; main()",
+                 str(listener.fileno())],
+                pass_fds=(listener.fileno(),), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                start_new_session=True)  # not the server's: a server restart leaves it be
+        finally:
+            listener.close()  # the process's now
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"store": str(repo.path), "pages": pages}).encode()
                               + b"\n")
         self.proc.stdin.flush()
 
@@ -171,8 +153,7 @@ class StorePagesProcess:
                                 reason="checkout_failed")
 
     def stop_listening(self) -> None:
-        """The restore is over (or it was never given one): the process serves the helper's
-        connection, or ends."""
+        """The restore is over: the process serves the helper's connection, or ends."""
         try:
             assert self.proc.stdin is not None
             self.proc.stdin.close()
@@ -180,63 +161,15 @@ class StorePagesProcess:
             pass
 
 
-class SpareServer:
-    """At most one serving process started ahead, kept while ``ahead(True)`` says a restore
-    with pages from the store is likely (a kernel hibernates)."""
-
-    def __init__(self, store: Callable[[], Path | str]) -> None:
-        self.store = store  # the store's path, asked when a process starts
-        self.wanted = False
-        self._spare: StorePagesProcess | None = None
-        self._lock = threading.Lock()
-
-    @property
-    def kept(self) -> StorePagesProcess | None:
-        return self._spare
-
-    def ahead(self, wanted: bool) -> None:
-        """Start one now (if none lives), or let the one kept go."""
-        with self._lock:
-            self.wanted = wanted
-            gone, self._spare = (None, self._spare) if wanted else (self._spare, None)
-            if wanted and (self._spare is None or not self._spare.alive()):
-                self._spare = StorePagesProcess(self.store(), ahead=True)
-        if gone is not None:
-            gone.stop_listening()
-
-    def refill(self) -> None:
-        """After a restore took the one kept: the next, if still wanted."""
-        if self.wanted:
-            self.ahead(True)
-
-    def take(self) -> StorePagesProcess:
-        """The one kept, if it lives, else a new one."""
-        with self._lock:
-            spare, self._spare = self._spare, None
-        return spare if spare is not None and spare.alive() else StorePagesProcess(self.store())
-
-
 def main() -> None:
-    """The serving process: ``argv[1]``: the store's path; stdin: the page files' blob ids and
-    the socket's path (a JSON line), then end-of-file once the restore is over."""
-    repo, failed = None, None
+    """The serving process: ``argv[1]``: the listening socket; stdin: the store's path and the
+    page files' blob ids (a JSON line), then end-of-file once the restore is over."""
+    listener = socket.socket(fileno=int(sys.argv[1]))
+    spec = json.loads(sys.stdin.buffer.readline())
     try:
         from ..store import Repository
 
-        repo = Repository.open(sys.argv[1])
-    except Exception as exc:  # noqa: BLE001 - said once a restore asks
-        failed = f"{type(exc).__name__}: {exc}"
-    line = sys.stdin.buffer.readline()
-    if not line:
-        return  # never needed: the server let it go, or ended
-    spec = json.loads(line)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    try:
-        if failed is not None:
-            raise RuntimeError(failed)
-        listener.bind(spec["socket"])
-        listener.listen(1)
-        pages = StorePages(repo, spec["pages"])
+        pages = StorePages(Repository.open(spec["store"]), spec["pages"])
     except Exception as exc:  # noqa: BLE001 - said to the server, which refuses the restore
         print(f"{type(exc).__name__}: {exc}", flush=True)
         return

@@ -39,7 +39,6 @@ def _load_jupyter_server_extension(serverapp) -> None:  # noqa: ANN001 - jupyter
         if manager.hibernate_on_shutdown:
             await manager.hibernation.hibernate_all()
         await stop_kernels()
-        manager.page_servers.ahead(False)  # none kept for wakes this server will not see
         await manager.remote_tier.stop(manager.remote_shutdown_wait)  # queued pushes go first
 
     serverapp.cleanup_kernels = cleanup_kernels

@@ -110,7 +110,6 @@ class Hibernation:
                 self._move_record(record["kernel_id"], kernel_id, record)
                 self.manager.log.info("infinijup: kernel %s stands in for %s, hibernated at %s",
                                       kernel_id, record["kernel_id"], record["commit"][:12])
-                self._page_server_ahead()
                 return
 
     def wake_soon(self, kernel_id: str) -> asyncio.Future:
@@ -182,7 +181,6 @@ class Hibernation:
             m.events.failed(event, exc, kernel_state=RUNNING)
             raise
         rest.entered.set()
-        self._page_server_ahead()
         m.events.end(event, "done", kernel_state=HIBERNATED, commit=snap["commit"])
         return {"kernel_id": kernel_id, "state": HIBERNATED, "commit": snap["commit"],
                 "recorded": rest.head is None}
@@ -351,7 +349,6 @@ class Hibernation:
             self._remove_record(kernel_id)
             if rest.head is not None:  # it slept in a snapshot kept aside
                 self._drop_aside(kernel_id)
-            self._page_server_ahead()
 
     def _discard(self, kernel_id: str) -> None:
         """A hibernated kernel was shut down (or restarted): by its user, its record goes;
@@ -363,16 +360,6 @@ class Hibernation:
             if rest is not None and rest.head is not None:
                 self._drop_aside(kernel_id)
         self.notify(kernel_id, error="the kernel was shut down while it was hibernated")
-        self._page_server_ahead()
-
-    def _page_server_ahead(self) -> None:
-        """While a kernel sleeps in a snapshot, the engine keeps a process ready to serve its
-        pages from the store (engine/store_pages.py): the wake does not wait for its start."""
-        wanted = any(rest.commit for rest in self.rests.values())
-        try:
-            self.manager.page_servers.ahead(wanted and self.manager.lazy_restore)
-        except Exception as exc:  # noqa: BLE001 - a wake then starts its own, as before
-            self.manager.log.warning("infinijup: no page server started ahead: %s", exc)
 
     async def hibernate_all(self) -> None:
         """The server stops: hibernate each idle kernel (a busy one is not waited for)."""

@@ -29,7 +29,6 @@ from ..engine import SnapshotEngine
 from ..engine.hot_tier import default_budget
 from ..engine.kernel_channel import run_agent
 from ..engine.lifecycle import RUNNING, Lifecycle
-from ..engine.store_pages import SpareServer
 from ..errors import BadRequest, Conflict, InfinijupError, NotFound, PreflightRefused
 from ..gpu import arena as gpu_arena
 from ..gpu import room, room_plan
@@ -171,7 +170,6 @@ class SnapshotManager(LoggingConfigurable):
         self.serverapp = serverapp
         self._repo: Repository | None = None
         self._repo_lock = threading.Lock()
-        self.page_servers = SpareServer(lambda: self.repo().path)  # engine/store_pages.py
         self._tasks: set[asyncio.Task] = set()
         self._busy_waits: dict[str, set[asyncio.Event]] = {}  # kernel id -> waits to cancel
         self.lifecycle = Lifecycle(on_move=self._moved)
@@ -327,7 +325,7 @@ class SnapshotManager(LoggingConfigurable):
                               hot_tier_bytes=self.hot_tier_bytes,
                               lazy_restore=self.lazy_restore,
                               pages_from_store_min_bytes=self.pages_from_store_min_bytes,
-                              page_servers=self.page_servers, ingest_nice=self.autosnapshot_ingest_nice)
+                              ingest_nice=self.autosnapshot_ingest_nice)
 
     def kernel(self, kernel_id: str):
         if kernel_id not in self.kernel_manager.list_kernel_ids():

@@ -162,7 +162,6 @@ class RestoreRun:
                 "phases": {**phases, "checkout_s": source.get("checkout_s"),
                            "images": source.get("source"),
                            "pages_from_store": source.get("pages_from_store", False),
-                           "page_server": source.get("page_server"),
                            **({"pulled": source["pulled"]} if "pulled" in source else {}),
                            "reconnect_s": reconnect_s, "answer_s": answer_s}}
 

@@ -145,35 +145,3 @@ async def test_the_store_process_killed_mid_stream_ends_the_kernel_with_the_reas
 
     monkeypatch.delenv("INFINIJUP_STORE_CRASH_AT")
     assert await value_after_resume(nb, snap["commit"], DIGEST) == digest
-
-
-@needs_helper
-@pytest.mark.timeout(300)
-async def test_a_wake_from_the_store_is_served_by_a_process_started_ahead(notebook, jp_serverapp,
-                                                                          caplog):
-    """While a kernel hibernates, the engine keeps a process ready to serve pages from the
-    store (engine/store_pages.py); the wake gives it the page files instead of starting one,
-    and once no kernel sleeps, none is kept."""
-    nb = notebook
-    manager = jp_serverapp.web_app.settings["infinijup_manager"]
-    manager.lazy_restore, manager.pages_from_store_min_bytes, manager.hot_tier_bytes = True, 0, 1
-    await nb.execute("import os; blob = os.urandom(96 << 20)")
-    digest = await nb.value(DIGEST)
-    servers = manager.page_servers
-    assert servers.kept is None
-    r = await nb.post("hibernate", {"kernel_id": nb.kernel_id})
-    assert r.code == 200, r.body
-    ahead = servers.kept
-    assert ahead is not None and ahead.alive()
-
-    assert await nb.value(DIGEST) == digest  # the cell wakes it: pages from the store
-    woke = [json.loads(rec.getMessage().split(": ", 2)[2]) for rec in caplog.records
-            if " woke from " in rec.getMessage()]
-    assert woke and woke[-1]["phases"]["pages_from_store"], woke
-    assert woke[-1]["phases"]["page_server"] == "ahead", woke
-    assert servers.kept is None  # no kernel sleeps: none kept
-    deadline = time.monotonic() + 120  # hang guard only: it ends once the pages are in
-    while ahead.alive():
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.1)
-    assert await nb.value(DIGEST) == digest
