@@ -31,16 +31,21 @@ weights = list(range(1000))
 """
 
 
+async def refused(nb, reason: str) -> str:  # noqa: ANN001
+    """A snapshot of the kernel answers 422 ``reason``; no commit is made and the kernel runs
+    on (its ``weights`` intact). Returns the message."""
+    r = await nb.post("snapshot", {"kernel_id": nb.kernel_id})
+    body = json.loads(r.body)
+    assert (r.code, body.get("reason")) == (422, reason), r.body
+    assert (await nb.history())["commits"] == []
+    assert await nb.value("sum(weights)") == sum(range(1000))
+    return body["message"]
+
+
 async def test_a_live_nccl_group_is_refused_and_the_kernel_runs_on(notebook):
     nb = notebook
     await nb.execute(LIVE_GROUP)
-    r = await nb.post("snapshot", {"kernel_id": nb.kernel_id})
-    assert r.code == 422, r.body
-    body = json.loads(r.body)
-    assert body["reason"] == "live_nccl", body
-    assert "destroy_process_group" in body["message"], body
-    assert (await nb.history())["commits"] == []
-    assert await nb.value("sum(weights)") == sum(range(1000))
+    assert "destroy_process_group" in await refused(nb, "live_nccl")
 
     out = await nb.collect(nb.send_execute("%snapshot -m with-group\nafter = True"))
     assert out["reply"]["status"] == "error", out
@@ -83,13 +88,7 @@ weights = list(range(1000))
 async def test_gpu_memory_shared_with_another_process_is_refused(notebook):
     nb = notebook
     await nb.execute(SHARED_CUDA_STORAGE)
-    r = await nb.post("snapshot", {"kernel_id": nb.kernel_id})
-    assert r.code == 422, r.body
-    body = json.loads(r.body)
-    assert body["reason"] == "cuda_ipc", body
-    assert "1 CUDA storage sent or received" in body["message"], body
-    assert (await nb.history())["commits"] == []
-    assert await nb.value("sum(weights)") == sum(range(1000))
+    assert "1 CUDA storage sent or received" in await refused(nb, "cuda_ipc")
 
     # the received tensor deleted: its weak reference expires (a CPU storage shared the
     # same way stays, and stops nothing)
@@ -106,12 +105,7 @@ async def test_a_multiprocessing_semaphore_of_spawn_is_named_one_of_fork_is_save
     nb = notebook
     await nb.execute("import gc, multiprocessing as mp\nq = mp.get_context('spawn').Queue()\n"
                      "weights = list(range(1000))")
-    r = await nb.post("snapshot", {"kernel_id": nb.kernel_id})
-    body = json.loads(r.body)
-    assert (r.code, body["reason"]) == (422, "posix_semaphore"), r.body
-    assert "get_context('fork')" in body["message"], body
-    assert (await nb.history())["commits"] == []
-    assert await nb.value("sum(weights)") == sum(range(1000))
+    assert "get_context('fork')" in await refused(nb, "posix_semaphore")
 
     await nb.execute("q.close(); del q; gc.collect()\n"
                      "q = mp.get_context('fork').Queue(); q.put('kept')")
