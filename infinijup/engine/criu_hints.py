@@ -19,8 +19,8 @@ from ..errors import InfinijupError, KernelUnsavable
 _SEMAPHORE = re.compile(r"Can't create link remap for /dev/shm/sem\.")
 
 
-def explain(exc: InfinijupError) -> InfinijupError:
-    """``exc``, or the same failure said as what the kernel holds and what to do."""
+def explain(exc: InfinijupError) -> KernelUnsavable | None:
+    """The failure said as what the kernel holds and what to do; None: not a known kind."""
     if getattr(exc, "reason", None) == "criu_failed" and _SEMAPHORE.search(str(exc)):
         return KernelUnsavable(
             "snapshot failed: the kernel (or a process it started) holds a multiprocessing "
@@ -29,4 +29,4 @@ def explain(exc: InfinijupError) -> InfinijupError:
             "(pool.close(); pool.join(); or queue.close() and del the queue), or make it with "
             "multiprocessing.get_context('fork'), whose semaphores are saved; the kernel was "
             "left running as it was", reason="posix_semaphore")
-    return exc
+    return None

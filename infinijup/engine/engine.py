@@ -285,7 +285,7 @@ class SnapshotEngine:
         except InfinijupError as exc:
             self._discard(images)
             told = criu_hints.explain(exc)
-            if told is exc:
+            if told is None:
                 raise
             raise told from exc
         except Exception as exc:
