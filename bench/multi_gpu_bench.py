@@ -78,6 +78,15 @@ CHANGE = ("with torch.no_grad():\n"
 NEXT_CELL = "[torch.cuda.synchronize(d) for d in range(GPUS)]; next_cell = 1"
 
 
+def pause_phases(server, kernel_id: str, commit: str) -> str:  # noqa: ANN001
+    """The helper's phases of the commit's pause (its metadata's timings)."""
+    code, body = server.request("GET", f"/infinijup/history?kernel_id={kernel_id}")
+    assert code == 200, body
+    meta = next(c for c in body["commits"] if c["id"] == commit)["metadata"]
+    return json.dumps({k[len("helper_"):-2]: round(v, 2)
+                       for k, v in (meta.get("timings") or {}).items() if k.startswith("helper_")})
+
+
 def row_for(gpus: int, shape: str, batch: int, context: int) -> dict:
     hidden, inter, layers, heads, kv = SHAPES[shape]
     row: dict = {"run": f"{shape} on {gpus} GPU" + ("s" if gpus > 1 else "")}
@@ -106,7 +115,8 @@ def row_for(gpus: int, shape: str, batch: int, context: int) -> dict:
                    next_cell_s=snap["next_cell_s"], durable_s=snap["durable_s"],
                    segments_gb=seg.get("bytes", 0) / GB, segments_s=seg.get("seconds"),
                    segments_parts=segment_parts(seg), image_gb=stats["image_bytes"] / GB,
-                   stored_gb=stats["stored_bytes"] / GB)
+                   stored_gb=stats["stored_bytes"] / GB,
+                   pause_phases=pause_phases(server, kernel_id, snap["body"]["commit"]))
         commit = snap["body"]["commit"]
         expect = kernel.evaluate(s="sample()")["s"]
 
@@ -149,9 +159,9 @@ def row_for(gpus: int, shape: str, batch: int, context: int) -> dict:
 METRICS = [("cards", "cards holding the model"), ("live_gb", "live GPU memory (GB)"),
            ("live_per_card_gb", "per card (GB)"), ("build_s", "build (s)"),
            ("pause_s", "pause (s)"), ("quiesce_s", "quiesce (s)"),
-           ("next_cell_s", "next cell answered (s)"), ("segments_gb", "segments out (GB)"),
+           ("pause_phases", "pause phases (s)"), ("next_cell_s", "next cell answered (s)"), ("segments_gb", "segments out (GB)"),
            ("segments_s", "segments out (s)"),
-           ("segments_parts", "hash / populate / pin / copy / unpin (s)"),
+           ("segments_parts", "hash / wait / prepare / copy / free / stage (s)"),
            ("durable_s", "durable commit (s)"), ("image_gb", "image (GB)"),
            ("stored_gb", "stored (GB)"), ("second_pause_s", "second snapshot: pause (s)"),
            ("second_segments_mb", "second: segments copied (MB)"),

@@ -216,10 +216,14 @@ def wake_from(path: str | os.PathLike) -> int:
     return int(moved)
 
 
+TIMING_KEYS = ("wait_s", "prepare_s", "copy_s", "free_s", "stage_s")
+
+
 def timings() -> dict[str, float]:
-    """Seconds the last :func:`sleep_into` or :func:`wake_from` spent making file pages
-    present, pinning them, copying and unpinning."""
-    out = (ctypes.c_double * 4)()
+    """Seconds the last :func:`sleep_into` or :func:`wake_from` spent, part by part (see
+    copy_pieces in vmm_alloc.c): waiting for the copying threads; then, summed over them,
+    making the file's pages present and allocating their pinned bounce buffers, copying to or
+    from the GPU, freeing the buffers, copying between the buffers and the file's pages."""
+    out = (ctypes.c_double * 5)()
     _lib().ij_timings(out)
-    return {k: round(v, 3) for k, v in zip(("populate_s", "register_s", "copy_s", "unregister_s"),
-                                           out, strict=True)}
+    return {k: round(v, 3) for k, v in zip(TIMING_KEYS, out, strict=True)}

@@ -346,10 +346,8 @@ fail_locked:
 
 /* --- segments into a file (a snapshot) and back (its resume or restore) -----------------------
  * Only what PyTorch has in use is copied (ij_set_live); the file's pages under dead ranges are
- * given back. The ranges' pages are made present and pinned by threads ahead of the copy (a new
- * tmpfs file costs its page allocations, not the copy; pinned, the copy runs at copy-engine
- * speed): copy_pieces. Nothing of the file stays mapped or pinned: CRIU has no GPU bytes to
- * dump. */
+ * given back. Threads copy the ranges piece by piece through pinned bounce buffers
+ * (copy_pieces). Nothing of the file stays mapped: CRIU has no GPU bytes to dump. */
 
 #define MERGE_GAP (1u << 20) /* live ranges closer than this are copied as one */
 #ifndef MADV_POPULATE_WRITE
@@ -370,7 +368,7 @@ static void *populate_span(void *arg) {
     return NULL;
 }
 
-/* Map `len` bytes of `fd` (pinned piece by piece in copy_pieces); NULL on failure. */
+/* Map `len` bytes of `fd` (copied piece by piece in copy_pieces); NULL on failure. */
 static char *map_file(int fd, size_t len, int write) {
     char *base = mmap(NULL, len, write ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, fd, 0);
     return base == MAP_FAILED ? NULL : base;
@@ -478,9 +476,11 @@ int ij_layout(unsigned long long *out, int max) {
     return k;
 }
 
-/* Seconds spent by the last ij_sleep_into or ij_wake_from: making pages present, pinning them,
- * copying, unpinning (ij_timings). */
-static double spent[4];
+/* Seconds spent by the last ij_sleep_into or ij_wake_from, part by part (ij_timings): [0] the
+ * calling thread's wait for the pieces; summed over the copying threads, [1] making the file's
+ * pages present and allocating the bounce buffers, [2] the copies to or from the GPU, [3]
+ * freeing the buffers, [4] the copies between the buffers and the file's pages. */
+static double spent[5];
 
 static double now_s(void) {
     struct timespec t;
@@ -489,67 +489,109 @@ static double now_s(void) {
 }
 
 void ij_timings(double *out) {
-    for (int i = 0; i < 4; i++) out[i] = spent[i];
+    for (int i = 0; i < 5; i++) out[i] = spent[i];
 }
 
-/* Both ways, pipelined: the ranges to copy, cut into pieces of at most PIECE bytes, are made
- * present and pinned by FILLERS threads, in order, ahead of the copy; the calling thread
- * copies and unpins each piece once it is ready. A new tmpfs file's
- * page allocations (about 4.5 GB/s on an H100 host, whatever the number of threads past four)
- * and the pinning then overlap the copy instead of adding to it. The timings: spent[0] is the
- * wait for pieces, spent[1] what the calling thread had to do itself. */
+/* Both ways, in pieces of at most PIECE bytes (the ranges to copy, cut at PIECE boundaries),
+ * taken in order by COPIERS threads. Each thread owns one pinned bounce buffer per card,
+ * allocated at its first piece on that card and freed at the end; for each piece it makes the
+ * file's pages present (a new tmpfs file costs its page allocations here, about 4.5 GB/s on an
+ * H100 host) and copies the piece through its buffer: GPU to buffer, buffer to pages, or the
+ * other way. The file's pages themselves are never pinned. Pinning them (cuMemHostRegister,
+ * piece by piece, ahead of the copy) was the way before: the copy itself was faster, but
+ * unpinning a piece costs more with every context that can reach it, and with peer access on
+ * between two cards it took 4 s of a 29 GB snapshot (staged: 2.9-3.6 s for all of it against
+ * 5.5 s; docs/benchmarks.md). */
 #define PIECE (64u << 20)
-#define FILLERS 6
+#define COPIERS 6
 
 typedef struct {
-    char *page;
+    char *page; /* the piece's first page and the span of its pages */
     size_t span;
     char *host;
     CUdeviceptr dev;
     size_t len;
     int device; /* the segment's: its context copies the piece */
-    int ready;
-    int pinned;
+    int done;
+    CUresult res;
 } Piece;
 
 typedef struct {
     Piece *piece;
     int count;
-    int next;
-    int stop;
+    int next;    /* the next piece a thread takes */
+    int stop;    /* a piece failed: the rest are not copied */
     int to_host; /* 1: out of the GPU into the file; 0: back from the file */
-    CUcontext ctx; /* the caller's, current again once the copy is over */
     pthread_mutex_t m;
     pthread_cond_t c;
+    double spent[5]; /* the threads' sums, under m */
 } Plan;
 
-/* A piece is pinned in the context of the device that copies it (pinned memory is page-locked
- * for the context that registered it; PORTABLE would map it into every context, and unpinning
- * then costs several times as much with two GPUs); READ_ONLY (8) when the file is only read. */
-static unsigned int register_flags(int to_host) { return to_host ? 0u : 8u; }
-
-static void pin_piece(Piece *p, int to_host, int *current) {
-    if (*current != p->device && device_ctx[p->device]) {
-        cu.ctx_set_current(device_ctx[p->device]);
-        *current = p->device;
-    }
-    p->pinned = cu.host_register(p->page, p->span, register_flags(to_host)) == 0;
+static int make_current(int device, int *current) {
+    if (*current == device) return 1;
+    if (!device_ctx[device] || cu.ctx_set_current(device_ctx[device]) != 0) return 0;
+    *current = device;
+    return 1;
 }
 
-static void *fill_pieces(void *arg) {
+static void copy_piece(Plan *plan, Piece *p, void **buffer, int *current, double *t) {
+    double t0 = now_s();
+    if (plan->to_host) {
+        Span sp = {p->page, p->span, 1};
+        populate_span(&sp);
+    }
+    if (!make_current(p->device, current)) {
+        p->res = 201; /* CUDA_ERROR_INVALID_CONTEXT */
+        return;
+    }
+    if (!buffer[p->device] && cu.alloc_host(&buffer[p->device], PIECE) != 0) {
+        buffer[p->device] = NULL;
+        p->res = 2; /* CUDA_ERROR_OUT_OF_MEMORY */
+        return;
+    }
+    char *b = buffer[p->device];
+    double t1 = now_s(), t2;
+    if (plan->to_host) {
+        p->res = cu.dtoh(b, p->dev, p->len);
+        t2 = now_s();
+        if (p->res == 0) memcpy(p->host, b, p->len);
+        t[2] += t2 - t1;
+        t[4] += now_s() - t2;
+    } else {
+        memcpy(b, p->host, p->len);
+        t2 = now_s();
+        p->res = cu.htod(p->dev, b, p->len);
+        t[4] += t2 - t1;
+        t[2] += now_s() - t2;
+    }
+    t[1] += t1 - t0;
+}
+
+static void *copy_thread(void *arg) {
     Plan *plan = arg;
-    int current = -1;
+    int current = -1; /* the device whose context this thread has made current */
+    void *buffer[MAX_DEVICES] = {0};
+    double t[5] = {0};
     for (;;) {
         int i = __atomic_fetch_add(&plan->next, 1, __ATOMIC_SEQ_CST);
-        if (i >= plan->count || __atomic_load_n(&plan->stop, __ATOMIC_SEQ_CST)) return NULL;
-        Span sp = {plan->piece[i].page, plan->piece[i].span, plan->to_host};
-        populate_span(&sp);
-        pin_piece(&plan->piece[i], plan->to_host, &current);
+        if (i >= plan->count) break;
+        Piece *p = &plan->piece[i];
+        if (__atomic_load_n(&plan->stop, __ATOMIC_SEQ_CST)) p->res = 999; /* not copied */
+        else copy_piece(plan, p, buffer, &current, t);
+        if (p->res != 0) __atomic_store_n(&plan->stop, 1, __ATOMIC_SEQ_CST);
         pthread_mutex_lock(&plan->m);
-        plan->piece[i].ready = 1;
+        p->done = 1;
         pthread_cond_broadcast(&plan->c);
         pthread_mutex_unlock(&plan->m);
     }
+    double t0 = now_s();
+    for (int d = 0; d < MAX_DEVICES; d++)
+        if (buffer[d] && make_current(d, &current)) cu.free_host(buffer[d]);
+    t[3] += now_s() - t0;
+    pthread_mutex_lock(&plan->m);
+    for (int k = 1; k < 5; k++) plan->spent[k] += t[k];
+    pthread_mutex_unlock(&plan->m);
+    return NULL;
 }
 
 static int add_pieces(Piece **out, int *count, int *cap, char *host, CUdeviceptr dev, size_t len,
@@ -576,7 +618,8 @@ static int add_pieces(Piece **out, int *count, int *cap, char *host, CUdeviceptr
 
 /* Copy every segment on the GPU out into base, at its offset (to_host: its copy list, live
  * ranges, or all of it), or every segment just mapped again back from base (its live ranges, or
- * all of it). Nothing is released or unmapped here. */
+ * all of it). Nothing is released or unmapped here. Returns the first piece's failure, with
+ * *moved the bytes of the pieces before it. */
 static CUresult copy_pieces(char *base, int to_host, long long *moved) {
     Piece *piece = NULL;
     int count = 0, cap = 0;
@@ -596,55 +639,32 @@ static CUresult copy_pieces(char *base, int to_host, long long *moved) {
                 return 2; /* CUDA_ERROR_OUT_OF_MEMORY */
             }
     }
-    Plan plan = {piece, count, 0, 0, to_host, 0, PTHREAD_MUTEX_INITIALIZER,
-                 PTHREAD_COND_INITIALIZER};
-    if (cu.ctx_get_current(&plan.ctx) != 0) plan.ctx = 0;
     for (int i = 0; i < count; i++) /* every device's context, before the threads read them */
         if (!context_of(piece[i].device)) {
             free(piece);
             return 201; /* CUDA_ERROR_INVALID_CONTEXT */
         }
-    int current = -1; /* the device whose context this thread has made current */
-    pthread_t threads[FILLERS];
+    CUcontext caller = current_context();
+    Plan plan = {piece, count, 0, 0, to_host, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
+                 {0}};
+    pthread_t threads[COPIERS];
     int started = 0;
-    for (int t = 0; t < FILLERS && t < count; t++)
-        if (pthread_create(&threads[t], NULL, fill_pieces, &plan) == 0) started++;
+    for (int t = 0; t < COPIERS && t < count; t++)
+        if (pthread_create(&threads[t], NULL, copy_thread, &plan) == 0) started++;
+    if (started == 0 && count > 0) copy_thread(&plan); /* no thread could start: all here */
     CUresult res = 0;
-    for (int i = 0; i < count && res == 0; i++) {
-        double t0 = now_s();
+    double t0 = now_s();
+    for (int i = 0; i < count; i++) {
         pthread_mutex_lock(&plan.m);
-        while (!piece[i].ready && started > 0) pthread_cond_wait(&plan.c, &plan.m);
+        while (!piece[i].done) pthread_cond_wait(&plan.c, &plan.m);
         pthread_mutex_unlock(&plan.m);
-        double t1 = now_s();
-        if (!piece[i].ready) { /* no filler thread could start: do its part here */
-            Span sp = {piece[i].page, piece[i].span, to_host};
-            populate_span(&sp);
-            pin_piece(&piece[i], to_host, &current);
-        }
-        double t2 = now_s();
-        if (current != piece[i].device) {
-            cu.ctx_set_current(device_ctx[piece[i].device]);
-            current = piece[i].device;
-        }
-        res = to_host ? cu.dtoh(piece[i].host, piece[i].dev, piece[i].len)
-                      : cu.htod(piece[i].dev, piece[i].host, piece[i].len);
-        double t3 = now_s();
-        if (piece[i].pinned) cu.host_unregister(piece[i].page);
-        piece[i].pinned = 0;
-        spent[0] += t1 - t0;
-        spent[1] += t2 - t1;
-        spent[2] += t3 - t2;
-        spent[3] += now_s() - t3;
+        if (piece[i].res != 0 && res == 0) res = piece[i].res;
         if (res == 0) *moved += (long long)piece[i].len;
     }
-    __atomic_store_n(&plan.stop, 1, __ATOMIC_SEQ_CST);
+    spent[0] += now_s() - t0;
     for (int t = 0; t < started; t++) pthread_join(threads[t], NULL);
-    for (int i = 0; i < count; i++) /* pinned ahead of a copy that failed */
-        if (piece[i].pinned) {
-            cu.ctx_set_current(device_ctx[piece[i].device]);
-            cu.host_unregister(piece[i].page);
-        }
-    if (plan.ctx) cu.ctx_set_current(plan.ctx); /* the caller's context, as it was */
+    for (int k = 1; k < 5; k++) spent[k] += plan.spent[k];
+    set_context(caller); /* the caller's context, as it was */
     free(piece);
     return res;
 }
@@ -711,7 +731,7 @@ long long ij_sleep_into(int fd) {
     long long moved = 0;
     if (!load()) return -1;
     pthread_mutex_lock(&lock);
-    for (int i = 0; i < 4; i++) spent[i] = 0;
+    for (int i = 0; i < 5; i++) spent[i] = 0;
     int any = 0;
     for (Segment *s = segments; s; s = s->next) any |= s->mapped;
     if (!any) { copy_given = 0; pthread_mutex_unlock(&lock); return 0; }
@@ -750,15 +770,16 @@ fail_locked:
 
 /* Map the segments ij_sleep_into moved again at their addresses, and fill them from the file
  * `fd` (the same file, or the copy a restore brought back). Returns the bytes moved, or -1
- * (-2: the file is shorter than the segments it should hold). */
+ * (-2: the file is shorter than the segments it should hold). A wake that failed can be called
+ * again: the segments it mapped stay marked in the file until every one is filled. */
 long long ij_wake_from(int fd) {
     long long moved = 0;
     size_t need = 0;
     if (!load()) return -1;
     pthread_mutex_lock(&lock);
-    for (int i = 0; i < 4; i++) spent[i] = 0;
+    for (int i = 0; i < 5; i++) spent[i] = 0;
     for (Segment *s = segments; s; s = s->next)
-        if (!s->mapped && s->in_file && s->offset + s->size > need) need = s->offset + s->size;
+        if (s->in_file && s->offset + s->size > need) need = s->offset + s->size;
     if (need == 0) { pthread_mutex_unlock(&lock); return 0; }
     struct stat st;
     if (fstat(fd, &st) != 0) goto fail_locked;

@@ -1,0 +1,114 @@
+"""The VMM allocator's copy into an arena file and back (vmm_alloc.c, copy_pieces), on the CPU
+machine: the real library over a stand-in CUDA driver (fake_libcuda.c: "device" memory is
+host memory, a released segment's bytes fault, a copy needs its device's context current in
+the calling thread). Segments on two devices, larger than a piece (64 MiB), with live ranges;
+a copy failing out or back; the threads' bounce buffers freed every time. The GPU machine runs
+the same path for real (tests/kernel/test_gpu_arena.py, test_gpu_multi.py)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+
+CHILD = textwrap.dedent("""
+    import ctypes, os, sys
+    fake = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)  # found by its soname
+    os.environ["INFINIJUP_VMM_LIB"] = sys.argv[2]
+    from infinijup.gpu import vmm
+    lib, arena = vmm._lib(), sys.argv[3]
+    lib.ij_malloc.restype = ctypes.c_void_p
+    lib.ij_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    MiB = 1 << 20
+
+    def fill(ptr, size, seed):
+        data = bytes((seed * 7 + i * 13) % 251 for i in range(251)) * (size // 251 + 1)
+        ctypes.memmove(ptr, data, size)
+        return data[:size]
+
+    # three segments: two on device 0 (each over a piece), one on device 1
+    sizes = [(100 * MiB, 0), (70 * MiB, 0), (40 * MiB, 1)]
+    segs = [(lib.ij_malloc(n, dev, None), n) for n, dev in sizes]
+    assert all(p for p, _ in segs), "ij_malloc failed"
+    want = [fill(p, n, k) for k, (p, n) in enumerate(segs)]
+    # live: all of segment 0; of segment 1 its first 10 MiB and its last 20 MiB; all of 2
+    p1 = segs[1][0]
+    live = sorted([(segs[0][0], 100 * MiB), (p1, 10 * MiB), (p1 + 50 * MiB, 20 * MiB),
+                   (segs[2][0], 40 * MiB)])
+    lib.ij_set_live(vmm._flat(live), len(live))
+
+    def live_bytes():
+        return [ctypes.string_at(a, n) for a, n in live]
+
+    expect = live_bytes()
+    offsets = {addr: off for addr, _size, off, _dev in vmm.layout()}
+
+    # a copy failing on the way out: nothing released, every byte where it was
+    fake.fake_fail_copy_at(3)
+    try:
+        vmm.sleep_into(arena)
+        raise SystemExit("the failing sleep_into succeeded")
+    except RuntimeError as exc:
+        assert "CUDA error 999" in str(exc), exc
+    assert vmm.stats()["on_gpu"] == vmm.stats()["bytes"], vmm.stats()
+    assert live_bytes() == expect, "a failed sleep_into changed the segments"
+    assert fake.fake_host_live() == 0, "bounce buffers left after a failure"
+
+    moved = vmm.sleep_into(arena)
+    assert moved == sum(n for _, n in live), (moved, live)
+    assert vmm.stats()["on_gpu"] == 0
+    assert fake.fake_host_live() == 0, "bounce buffers left"
+    with open(arena, "rb") as f:
+        for (addr, n), data in zip(live, expect):
+            seg = max(a for a in offsets if a <= addr)
+            f.seek(offsets[seg] + addr - seg)
+            assert f.read(n) == data, "the file does not hold a live range"
+        f.seek(offsets[p1] + 10 * MiB)  # dead: given back, reads as zeros
+        assert f.read(40 * MiB) == bytes(40 * MiB), "dead bytes in the arena file"
+    parts = vmm.timings()
+    assert set(parts) == set(vmm.TIMING_KEYS) and parts["wait_s"] > 0, parts
+
+    # a copy failing on the way back: a second wake brings everything back
+    fake.fake_fail_copy_at(2)
+    try:
+        vmm.wake_from(arena)
+        raise SystemExit("the failing wake_from succeeded")
+    except RuntimeError as exc:
+        assert "CUDA error 999" in str(exc), exc
+    assert fake.fake_host_live() == 0
+    assert vmm.wake_from(arena) == moved
+    assert live_bytes() == expect, "the live bytes did not come back"
+    assert fake.fake_host_live() == 0
+
+    # into the same file again, only what set_copy names: one changed MiB of segment 2
+    ctypes.memset(segs[2][0] + 5 * MiB, 0x5A, MiB)
+    expect = live_bytes()
+    vmm.set_copy([(segs[2][0] + 5 * MiB, MiB)])
+    assert vmm.sleep_into(arena) == MiB
+    assert vmm.wake_from(arena) == moved
+    assert live_bytes() == expect, "the second sleep lost a change or an unchanged range"
+    print("ok")
+""")
+
+
+def test_segments_go_out_and_back_through_bounce_buffers(tmp_path: Path) -> None:
+    cc = shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler (cc) to build the allocator and the stand-in driver")
+    fake, lib = tmp_path / "libcuda.so.1", tmp_path / "libinfinijup_vmm.so"
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(fake),
+                    str(HERE / "fake_libcuda.c"), "-lpthread"], check=True)
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(lib),
+                    str(REPO / "infinijup" / "gpu" / "vmm_alloc.c"), "-ldl", "-lpthread"],
+                   check=True)
+    out = subprocess.run([sys.executable, "-c", CHILD, str(fake), str(lib),
+                          str(tmp_path / "arena")], cwd=REPO, capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
