@@ -53,8 +53,9 @@ test: setup helper
 setup: system-deps criu venv frontend $(STAMPS)/install $(STAMPS)/hub-proxy infinijup/gpu/libinfinijup_vmm.so
 
 # --- the VMM allocator PyTorch's GPU memory goes on in kernels (no CUDA needed to build it) ---
-infinijup/gpu/libinfinijup_vmm.so: infinijup/gpu/vmm_alloc.c
-	cc -O2 -Wall -shared -fPIC -o $@ $< -ldl -lpthread
+VMM_SOURCES = infinijup/gpu/vmm_alloc.c infinijup/gpu/vmm_arena.c
+infinijup/gpu/libinfinijup_vmm.so: $(VMM_SOURCES) infinijup/gpu/vmm_alloc.h
+	cc -O2 -Wall -shared -fPIC -o $@ $(VMM_SOURCES) -ldl -lpthread
 
 # --- system packages (root) -------------------------------------------------------------
 system-deps: $(STAMPS)/system-deps

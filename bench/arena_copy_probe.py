@@ -1,5 +1,5 @@
 """Issues 27 and 33: how fast the VMM allocator's segments go into an arena file and come
-back (vmm_alloc.c, copy_pieces: pieces of 64 MiB through the copying threads' pinned bounce
+back (vmm_arena.c, copy_pieces: pieces of 64 MiB through the copying threads' pinned bounce
 buffers), without a server, on one card or several.
 
 Tensors of ``--gb`` GB in all are spread over ``--gpus`` cards (bf16, random), and, with two

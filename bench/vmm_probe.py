@@ -4,7 +4,7 @@ device-to-host copy) and the CUDA driver's own checkpoint of the same process (w
 and GPU release use today). Checks that every tensor keeps its address and bytes. Prints a
 markdown table. On a GPU machine, with libinfinijup_vmm.so built:
 
-    cc -O2 -shared -fPIC -o infinijup/gpu/libinfinijup_vmm.so infinijup/gpu/vmm_alloc.c -ldl -lpthread
+    make infinijup/gpu/libinfinijup_vmm.so
     python bench/vmm_probe.py [--gb 2 8 20]
 """
 

@@ -127,7 +127,7 @@ def stats() -> dict[str, int]:
     return {"segments": count.value, "bytes": total.value, "on_gpu": mapped.value}
 
 
-MERGE_GAP = 1 << 20  # live ranges closer than this are copied as one (as vmm_alloc.c merges)
+MERGE_GAP = 1 << 20  # live ranges closer than this are copied as one (as vmm_arena.c merges)
 
 
 def mark_live() -> list[tuple[int, int]]:
@@ -221,7 +221,7 @@ TIMING_KEYS = ("wait_s", "prepare_s", "copy_s", "free_s", "stage_s")
 
 def timings() -> dict[str, float]:
     """Seconds the last :func:`sleep_into` or :func:`wake_from` spent, part by part (see
-    copy_pieces in vmm_alloc.c): waiting for the copying threads; then, summed over them,
+    copy_pieces in vmm_arena.c): waiting for the copying threads; then, summed over them,
     making the file's pages present and allocating their pinned bounce buffers, copying to or
     from the GPU, freeing the buffers, copying between the buffers and the file's pages."""
     out = (ctypes.c_double * 5)()

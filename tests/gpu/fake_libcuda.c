@@ -126,13 +126,6 @@ CUresult cuMemFreeHost(void *p) {
     return 0;
 }
 
-CUresult cuMemHostRegister_v2(void *p, size_t size, unsigned int flags) {
-    (void)p; (void)size; (void)flags;
-    return 0;
-}
-
-CUresult cuMemHostUnregister(void *p) { (void)p; return 0; }
-
 /* 0 when [dev, dev + len) is mapped memory of the current context's device. */
 static CUresult reachable(CUdeviceptr dev, size_t len) {
     if (!current) return 201; /* CUDA_ERROR_INVALID_CONTEXT */

@@ -1,8 +1,9 @@
-"""The VMM allocator's copy into an arena file and back (vmm_alloc.c, copy_pieces), on the CPU
+"""The VMM allocator's copy into an arena file and back (vmm_arena.c, copy_pieces), on the CPU
 machine: the real library over a stand-in CUDA driver (fake_libcuda.c: "device" memory is
 host memory, a released segment's bytes fault, a copy needs its device's context current in
 the calling thread). Segments on two devices, larger than a piece (64 MiB), with live ranges;
-a copy failing out or back; the threads' bounce buffers freed every time. The GPU machine runs
+a copy failing out or back; the threads' bounce buffers freed every time; and the segments
+into pinned host copies and back (ij_sleep, ij_wake). The GPU machine runs
 the same path for real (tests/kernel/test_gpu_arena.py, test_gpu_multi.py)."""
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ CHILD = textwrap.dedent("""
     lib, arena = vmm._lib(), sys.argv[3]
     lib.ij_malloc.restype = ctypes.c_void_p
     lib.ij_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    lib.ij_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
     MiB = 1 << 20
 
     def fill(ptr, size, seed):
@@ -47,19 +49,23 @@ CHILD = textwrap.dedent("""
     def live_bytes():
         return [ctypes.string_at(a, n) for a, n in live]
 
+    def fails_at(n, step):
+        fake.fake_fail_copy_at(n)
+        try:
+            step(arena)
+        except RuntimeError as exc:
+            assert "CUDA error 999" in str(exc), exc
+        else:
+            raise SystemExit(f"{step.__name__} succeeded with copy {n} failing")
+        assert fake.fake_host_live() == 0, "bounce buffers left after a failure"
+
     expect = live_bytes()
     offsets = {addr: off for addr, _size, off, _dev in vmm.layout()}
 
     # a copy failing on the way out: nothing released, every byte where it was
-    fake.fake_fail_copy_at(3)
-    try:
-        vmm.sleep_into(arena)
-        raise SystemExit("the failing sleep_into succeeded")
-    except RuntimeError as exc:
-        assert "CUDA error 999" in str(exc), exc
+    fails_at(3, vmm.sleep_into)
     assert vmm.stats()["on_gpu"] == vmm.stats()["bytes"], vmm.stats()
     assert live_bytes() == expect, "a failed sleep_into changed the segments"
-    assert fake.fake_host_live() == 0, "bounce buffers left after a failure"
 
     moved = vmm.sleep_into(arena)
     assert moved == sum(n for _, n in live), (moved, live)
@@ -76,14 +82,8 @@ CHILD = textwrap.dedent("""
     assert set(parts) == set(vmm.TIMING_KEYS) and parts["wait_s"] > 0, parts
 
     # a copy failing on the way back: a second wake brings everything back
-    fake.fake_fail_copy_at(2)
-    try:
-        vmm.wake_from(arena)
-        raise SystemExit("the failing wake_from succeeded")
-    except RuntimeError as exc:
-        assert "CUDA error 999" in str(exc), exc
-    assert fake.fake_host_live() == 0
-    assert vmm.wake_from(arena) == moved
+    fails_at(2, vmm.wake_from)
+    assert vmm.wake_from(arena) == moved, "a wake after a failed one did not copy it all back"
     assert live_bytes() == expect, "the live bytes did not come back"
     assert fake.fake_host_live() == 0
 
@@ -94,6 +94,17 @@ CHILD = textwrap.dedent("""
     assert vmm.sleep_into(arena) == MiB
     assert vmm.wake_from(arena) == moved
     assert live_bytes() == expect, "the second sleep lost a change or an unchanged range"
+
+    # the other way (vmm_alloc.c): whole segments into pinned host copies, freed at the wake
+    whole = [ctypes.string_at(p, n) for p, n in segs]
+    assert vmm.sleep() == sum(n for _, n in segs) and vmm.stats()["on_gpu"] == 0
+    assert fake.fake_host_live() == len(segs)
+    assert vmm.wake() == sum(n for _, n in segs)
+    assert [ctypes.string_at(p, n) for p, n in segs] == whole, "ij_wake lost bytes"
+    assert fake.fake_host_live() == 0
+    for p, n in segs:
+        lib.ij_free(p, n, 0, None)
+    assert vmm.stats()["segments"] == 0
     print("ok")
 """)
 
@@ -105,9 +116,9 @@ def test_segments_go_out_and_back_through_bounce_buffers(tmp_path: Path) -> None
     fake, lib = tmp_path / "libcuda.so.1", tmp_path / "libinfinijup_vmm.so"
     subprocess.run([cc, "-O2", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(fake),
                     str(HERE / "fake_libcuda.c"), "-lpthread"], check=True)
-    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(lib),
-                    str(REPO / "infinijup" / "gpu" / "vmm_alloc.c"), "-ldl", "-lpthread"],
-                   check=True)
+    gpu = REPO / "infinijup" / "gpu"
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(lib), str(gpu / "vmm_alloc.c"),
+                    str(gpu / "vmm_arena.c"), "-ldl", "-lpthread"], check=True)
     out = subprocess.run([sys.executable, "-c", CHILD, str(fake), str(lib),
                           str(tmp_path / "arena")], cwd=REPO, capture_output=True, text=True,
                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}, timeout=600)
