@@ -484,6 +484,16 @@ fail_locked:
     return -1;
 }
 
+/* Bytes of the segments whose contents are in an arena file, not (all) on the GPU: asleep, or
+ * mapped again by a wake that failed before it filled them. */
+long long ij_in_file_bytes(void) {
+    long long m = 0;
+    pthread_mutex_lock(&lock);
+    for (Segment *s = segments; s; s = s->next) m += s->in_file ? (long long)s->size : 0;
+    pthread_mutex_unlock(&lock);
+    return m;
+}
+
 /* Bytes of the segments on the GPU now: the size ij_sleep_into needs. */
 long long ij_mapped_bytes(void) {
     long long m = 0;

@@ -35,6 +35,7 @@ from .after_import import after_import
 GO_TIMEOUT_S = 600.0
 _state: dict = {"armed": False, "installed": False, "why_not": None, "told": False,
                 "in_file": None, "token": None,
+                "go": None,  # the server's word for the token, kept until the wake succeeds
                 # the blocks' hashes of the last snapshot, and the arena file they describe
                 "hashes": None, "hashed_file": None}
 
@@ -144,7 +145,7 @@ def offload() -> dict | None:
         except Exception:
             pass
         return {"fallback": f"the segments could not be moved into {path}: {exc}"}
-    _state["in_file"], _state["token"] = path, uuid.uuid4().hex
+    _state["in_file"], _state["token"], _state["go"] = path, uuid.uuid4().hex, None
     _state["hashes"], _state["hashed_file"] = hashes, identity
     stats = vmm.stats()
     out = {"bytes": moved, "segments": stats["segments"], "segment_bytes": stats["bytes"],
@@ -242,9 +243,11 @@ def bring_back(restored: bool = False, source: str | None = None) -> dict | None
     from ..gpu import vmm
 
     stats = vmm.stats()
-    if stats["on_gpu"] == stats["bytes"]:
-        return None
-    word = _await_go(_state["token"])
+    if stats["on_gpu"] == stats["bytes"] and not stats["in_file"]:
+        return None  # (a wake that failed mapped them all, unfilled: in_file says so)
+    if _state["go"] is None:  # read once: a retry after a failed wake reuses it
+        _state["go"] = _await_go(_state["token"])
+    word = _state["go"]
     if restored or word.get("source"):
         # a restore: the memory comes from the snapshot's copy, and the arena file holds
         # something else; the next snapshot copies every live range again
@@ -254,7 +257,7 @@ def bring_back(restored: bool = False, source: str | None = None) -> dict | None
         raise RuntimeError("the snapshot's GPU segments were not given back to the kernel")
     t0 = time.perf_counter()
     moved = vmm.wake_from(path)
-    _state["in_file"] = _state["token"] = None
+    _state["in_file"] = _state["token"] = _state["go"] = None
     return {"bytes": moved, "seconds": round(time.perf_counter() - t0, 3)}
 
 

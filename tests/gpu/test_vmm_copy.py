@@ -56,7 +56,7 @@ CHILD = textwrap.dedent("""
         except RuntimeError as exc:
             assert "CUDA error 999" in str(exc), exc
         else:
-            raise SystemExit(f"{step.__name__} succeeded with copy {n} failing")
+            raise SystemExit(f"{step} succeeded with copy {n} failing")
         assert fake.fake_host_live() == 0, "bounce buffers left after a failure"
 
     expect = live_bytes()
@@ -81,10 +81,21 @@ CHILD = textwrap.dedent("""
     parts = vmm.timings()
     assert set(parts) == set(vmm.TIMING_KEYS) and parts["wait_s"] > 0, parts
 
-    # a copy failing on the way back: a second wake brings everything back
-    fails_at(2, vmm.wake_from)
-    assert vmm.wake_from(arena) == moved, "a wake after a failed one did not copy it all back"
+    # the kernel's resume step (kernel_magics/gpu_vmm.bring_back), its wake failing: the
+    # next try (the next cell's) brings everything back, the server's word read once
+    from infinijup.gpu import arena as arenas
+    from infinijup.kernel_magics import gpu_vmm
+    root, token = os.path.dirname(arena), "ab" * 16
+    os.environ[gpu_vmm.ARENA_ROOT_ENV] = root
+    gpu_vmm._state.update(installed=True, token=token, in_file=arena, go=None)
+    with open(arenas.go_path(root, token), "w") as f:
+        f.write("{}")  # the dump is over; the kernel takes its own arena file back
+    fails_at(2, lambda _path: gpu_vmm.bring_back())
+    assert vmm.stats()["in_file"] == sum(n for _, n in segs), vmm.stats()
+    back = gpu_vmm.bring_back()
+    assert back is not None and back["bytes"] == moved, f"the retry brought back {back}"
     assert live_bytes() == expect, "the live bytes did not come back"
+    assert vmm.stats()["in_file"] == 0 and gpu_vmm._state["token"] is None
     assert fake.fake_host_live() == 0
 
     # into the same file again, only what set_copy names: one changed MiB of segment 2
