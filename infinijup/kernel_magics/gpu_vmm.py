@@ -234,7 +234,8 @@ def _await_go(token: str, timeout: float = GO_TIMEOUT_S) -> dict:
         time.sleep(0.005)
 
 
-def bring_back(restored: bool = False, source: str | None = None) -> dict | None:
+def bring_back(restored: bool = False, source: str | None = None,
+               go_timeout: float = GO_TIMEOUT_S) -> dict | None:
     """Resume step (and the first cell after a dump): the segments back on the GPU, once the
     server says the dump is over: from the copy a restore checked out, or from the arena file
     this process's quiesce wrote."""
@@ -246,7 +247,7 @@ def bring_back(restored: bool = False, source: str | None = None) -> dict | None
     if stats["on_gpu"] == stats["bytes"] and not stats["in_file"]:
         return None  # (a wake that failed mapped them all, unfilled: in_file says so)
     if _state["go"] is None:  # read once: a retry after a failed wake reuses it
-        _state["go"] = _await_go(_state["token"])
+        _state["go"] = _await_go(_state["token"], go_timeout)
     word = _state["go"]
     if restored or word.get("source"):
         # a restore: the memory comes from the snapshot's copy, and the arena file holds
@@ -259,6 +260,25 @@ def bring_back(restored: bool = False, source: str | None = None) -> dict | None
     moved = vmm.wake_from(path)
     _state["in_file"] = _state["token"] = _state["go"] = None
     return {"bytes": moved, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def not_back() -> str | None:
+    """Why the GPU memory of the last snapshot or restore is not back on the GPU, after one
+    more try to bring it back (a copy back that failed leaves it in the arena file); None:
+    it is back. Asked before a new snapshot or release (unsavable.why)."""
+    if not _state["installed"] or _state["token"] is None:
+        return None
+    from ..gpu import vmm
+
+    if not vmm.stats()["in_file"]:
+        return None
+    try:
+        bring_back(go_timeout=0)  # the server's word is read by now, or never comes
+    except Exception as exc:
+        return (f"the kernel's GPU memory did not come back from its last snapshot or restore "
+                f"({exc}), so its tensors would be saved unfilled: restore a snapshot, or "
+                "restart the kernel")
+    return None
 
 
 def drop_arena() -> None:

@@ -9,6 +9,9 @@
   which a restore cannot bring back. PyTorch keeps every such storage in its sharing cache,
   which is what is looked at; IPC handles opened by other libraries (CuPy, raw CUDA) are not
   seen here.
+- GPU memory that did not come back from the last snapshot or restore (its copy back onto the
+  GPU failed, and a new try now fails too, gpu_vmm.not_back): its tensors would be saved
+  unfilled.
 
 The quiesce asks :func:`why` first and, when it answers, does nothing else: the server refuses
 the snapshot or release with the reason and the kernel runs on as it was.
@@ -22,12 +25,14 @@ import sys
 
 LIVE_NCCL = "live_nccl"
 CUDA_IPC = "cuda_ipc"
+GPU_NOT_BACK = "gpu_not_back"
 
 
 def why() -> tuple[str, str] | None:
     """(reason, why this kernel cannot be saved now and what to do), or None: nothing known
     stops it."""
-    for reason, check in ((LIVE_NCCL, _torch_distributed), (CUDA_IPC, _torch_cuda_ipc)):
+    for reason, check in ((LIVE_NCCL, _torch_distributed), (CUDA_IPC, _torch_cuda_ipc),
+                          (GPU_NOT_BACK, _gpu_not_back)):
         text = check()
         if text is not None:
             return reason, text
@@ -74,3 +79,9 @@ def _torch_cuda_ipc() -> str | None:
             "torch.multiprocessing), which no checkpoint can carry: delete those tensors here "
             "(keep a .clone() where the values are needed), call gc.collect() and "
             "torch.cuda.ipc_collect(), then snapshot")
+
+
+def _gpu_not_back() -> str | None:
+    from . import gpu_vmm
+
+    return gpu_vmm.not_back()

@@ -82,7 +82,8 @@ CHILD = textwrap.dedent("""
     assert set(parts) == set(vmm.TIMING_KEYS) and parts["wait_s"] > 0, parts
 
     # the kernel's resume step (kernel_magics/gpu_vmm.bring_back), its wake failing: the
-    # next try (the next cell's) brings everything back, the server's word read once
+    # next try brings everything back, the server's word read once (here, the next
+    # snapshot's: the next cell's is the same call)
     from infinijup.gpu import arena as arenas
     from infinijup.kernel_magics import gpu_vmm
     root, token = os.path.dirname(arena), "ab" * 16
@@ -92,8 +93,12 @@ CHILD = textwrap.dedent("""
         f.write("{}")  # the dump is over; the kernel takes its own arena file back
     fails_at(2, lambda _path: gpu_vmm.bring_back())
     assert vmm.stats()["in_file"] == sum(n for _, n in segs), vmm.stats()
-    back = gpu_vmm.bring_back()
-    assert back is not None and back["bytes"] == moved, f"the retry brought back {back}"
+    # a snapshot asked now tries once more first, and is refused when that fails too
+    from infinijup.kernel_magics import unsavable
+    fake.fake_fail_copy_at(1)
+    reason, text = unsavable.why()
+    assert reason == "gpu_not_back" and "CUDA error 999" in text, (reason, text)
+    assert unsavable.why() is None  # this try brings everything back
     assert live_bytes() == expect, "the live bytes did not come back"
     assert vmm.stats()["in_file"] == 0 and gpu_vmm._state["token"] is None
     assert fake.fake_host_live() == 0
