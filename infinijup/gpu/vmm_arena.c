@@ -174,10 +174,11 @@ void ij_timings(double *out) {
  * file's pages present (a new tmpfs file costs its page allocations here, about 4.5 GB/s on an
  * H100 host) and copies the piece through its buffer: GPU to buffer, buffer to pages, or the
  * other way. The file's pages themselves are never pinned. Pinning them (cuMemHostRegister,
- * piece by piece, ahead of the copy) was the way before: the copy itself was faster, but
- * unpinning a piece costs more with every context that can reach it, and with peer access on
- * between two cards it took 4 s of a 29 GB snapshot (staged: 2.9-3.6 s for all of it against
- * 5.5 s; docs/benchmarks.md). */
+ * piece by piece, ahead of the copy) was the way before. Into a new file it was faster (24 GB
+ * on one card: 1.70 s against 2.14 s; the copies through buffers cost memory bandwidth on top
+ * of the page allocations), but unpinning a piece costs more with every context that can
+ * reach it: with peer access on between two cards it took 4.4 s of a 29 GB snapshot (staged:
+ * 2.9-3.6 s for all of it against 5.5 s; docs/benchmarks.md). */
 #define PIECE (64u << 20)
 #define COPIERS 6
 
