@@ -34,8 +34,6 @@ def _lib() -> ctypes.CDLL:
         lib.ij_sleep_into.argtypes = [ctypes.c_int]
         lib.ij_wake_from.restype = ctypes.c_longlong
         lib.ij_wake_from.argtypes = [ctypes.c_int]
-        lib.ij_mapped_bytes.restype = ctypes.c_longlong
-        lib.ij_in_file_bytes.restype = ctypes.c_longlong
         lib.ij_set_live.argtypes = [ctypes.c_void_p, ctypes.c_int]
         lib.ij_set_copy.argtypes = [ctypes.c_void_p, ctypes.c_int]
         lib.ij_layout.argtypes = [ctypes.c_void_p, ctypes.c_int]
@@ -125,11 +123,10 @@ def keep_host(keep: bool) -> None:
 def stats() -> dict[str, int]:
     """Segments and their bytes; ``on_gpu``: mapped on the GPU; ``in_file``: whose contents
     are in an arena file, not back yet (asleep, or mapped by a wake that failed)."""
-    count, total, mapped = ctypes.c_longlong(), ctypes.c_longlong(), ctypes.c_longlong()
-    lib = _lib()
-    lib.ij_stats(ctypes.byref(count), ctypes.byref(total), ctypes.byref(mapped))
-    return {"segments": count.value, "bytes": total.value, "on_gpu": mapped.value,
-            "in_file": lib.ij_in_file_bytes()}
+    out = [ctypes.c_longlong() for _ in range(4)]
+    _lib().ij_stats(*(ctypes.byref(v) for v in out))
+    return dict(zip(("segments", "bytes", "on_gpu", "in_file"), (v.value for v in out),
+                    strict=True))
 
 
 MERGE_GAP = 1 << 20  # live ranges closer than this are copied as one (as vmm_arena.c merges)

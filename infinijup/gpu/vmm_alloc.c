@@ -264,17 +264,20 @@ fail_locked:
     pthread_mutex_unlock(&lock);
     return -1;
 }
-/* Segments and bytes, in total and on the GPU now. */
-void ij_stats(long long *count, long long *bytes, long long *mapped_bytes) {
-    long long n = 0, b = 0, m = 0;
+/* Segments and bytes: in total, on the GPU now, and whose contents are in an arena file, not
+ * (all) on the GPU (asleep, or mapped again by a wake that failed before it filled them). */
+void ij_stats(long long *count, long long *bytes, long long *mapped_bytes,
+              long long *in_file_bytes) {
+    long long n = 0, b = 0, m = 0, f = 0;
     pthread_mutex_lock(&lock);
     for (Segment *s = segments; s; s = s->next) {
         n++;
         b += (long long)s->size;
         if (s->mapped) m += (long long)s->size;
+        if (s->in_file) f += (long long)s->size;
     }
     pthread_mutex_unlock(&lock);
-    *count = n; *bytes = b; *mapped_bytes = m;
+    *count = n; *bytes = b; *mapped_bytes = m; *in_file_bytes = f;
 }
 
 int ij_last_error(void) { return last_error; }

@@ -30,18 +30,11 @@ static int last_errno; /* the arena file's, when ij_sleep_into could not reserve
 #define MADV_POPULATE_WRITE 23
 #endif
 
-typedef struct { char *base; size_t len; int write; } Span;
-
-static void *populate_span(void *arg) {
-    Span *sp = arg;
-    if (sp->write && madvise(sp->base, sp->len, MADV_POPULATE_WRITE) == 0) return NULL;
-    volatile char sink = 0;
-    for (size_t off = 0; off < sp->len; off += 4096) {
-        if (sp->write) sp->base[off] = sp->base[off];
-        else sink ^= sp->base[off];
-    }
-    (void)sink;
-    return NULL;
+/* The file's pages under [base, base + len) present and writable (a kernel without
+ * MADV_POPULATE_WRITE: each page touched). */
+static void make_present(char *base, size_t len) {
+    if (madvise(base, len, MADV_POPULATE_WRITE) == 0) return;
+    for (size_t off = 0; off < len; off += 4096) base[off] = base[off];
 }
 
 /* Map `len` bytes of `fd` (copied piece by piece in copy_pieces); NULL on failure. */
@@ -213,10 +206,7 @@ static int make_current(int device, int *current) {
 
 static void copy_piece(Plan *plan, Piece *p, void **buffer, int *current, double *t) {
     double t0 = now_s();
-    if (plan->to_host) {
-        Span sp = {p->page, p->span, 1};
-        populate_span(&sp);
-    }
+    if (plan->to_host) make_present(p->page, p->span);
     if (!make_current(p->device, current)) {
         p->res = 201; /* CUDA_ERROR_INVALID_CONTEXT */
         return;
@@ -483,25 +473,6 @@ long long ij_wake_from(int fd) {
 fail_locked:
     pthread_mutex_unlock(&lock);
     return -1;
-}
-
-/* Bytes of the segments whose contents are in an arena file, not (all) on the GPU: asleep, or
- * mapped again by a wake that failed before it filled them. */
-long long ij_in_file_bytes(void) {
-    long long m = 0;
-    pthread_mutex_lock(&lock);
-    for (Segment *s = segments; s; s = s->next) m += s->in_file ? (long long)s->size : 0;
-    pthread_mutex_unlock(&lock);
-    return m;
-}
-
-/* Bytes of the segments on the GPU now: the size ij_sleep_into needs. */
-long long ij_mapped_bytes(void) {
-    long long m = 0;
-    pthread_mutex_lock(&lock);
-    for (Segment *s = segments; s; s = s->next) m += s->mapped ? (long long)s->size : 0;
-    pthread_mutex_unlock(&lock);
-    return m;
 }
 
 int ij_last_errno(void) { return last_errno; }

@@ -31,10 +31,10 @@ class FileSource:
     the connections (``stopped`` is set then)."""
 
     def __init__(self, where: Path, files: Path, stop_after: int | None = None,
-                 hold_after: int | None = None, stream_held: bool = False) -> None:
+                 stream_held: bool = False) -> None:
         self.files = files
         self.stop_after = stop_after
-        self.hold_after = hold_after  # after this many bytes, wait for ``go``
+        self.hold_after: int | None = None  # after this many bytes, wait for ``go``
         self.holding = threading.Event()
         self.go = threading.Event()
         # the second connection (the helper's stream) waits for this before each ask
