@@ -1,6 +1,6 @@
 """Issues 27 and 33: how fast the VMM allocator's segments go into an arena file and come
-back (vmm_arena.c, copy_pieces: pieces of 64 MiB through the copying threads' pinned bounce
-buffers), without a server, on one card or several.
+back (vmm_arena.c, copy_pieces: pieces of 64 MiB, each copied 4 MiB at a time through the
+copying threads' pinned bounce buffers), without a server, on one card or several.
 
 Tensors of ``--gb`` GB in all are spread over ``--gpus`` cards (bf16, random), and, with two
 cards or more, a tensor is copied between cards first, as PyTorch's ``.to()`` between cards

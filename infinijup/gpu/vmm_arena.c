@@ -162,18 +162,19 @@ void ij_timings(double *out) {
 }
 
 /* Both ways, in pieces of at most PIECE bytes (the ranges to copy, cut at PIECE boundaries),
- * taken in order by COPIERS threads. Each thread owns one pinned bounce buffer per card,
- * allocated at its first piece on that card and freed at the end; for each piece it makes the
- * file's pages present (a new tmpfs file costs its page allocations here, about 4.5 GB/s on an
- * H100 host) and copies the piece through its buffer: GPU to buffer, buffer to pages, or the
- * other way. The file's pages themselves are never pinned. Pinning them (cuMemHostRegister,
- * piece by piece, ahead of the copy) was the way before. Into a new file it was faster (24 GB
- * on one card: 1.70 s against 2.14 s; the copies through buffers cost memory bandwidth on top
- * of the page allocations), but unpinning a piece costs more with every context that can
- * reach it: with peer access on between two cards it took 4.4 s of a 29 GB snapshot (staged:
- * 2.9-3.6 s for all of it against 5.5 s; docs/benchmarks.md). */
+ * taken in order by COPIERS threads. Each thread owns one pinned bounce buffer of STAGE bytes
+ * per card, allocated at its first piece on that card and freed at the end; for each piece it
+ * makes the file's pages present (a new tmpfs file costs its page allocations and zeroing
+ * here) and copies the piece through its buffer, STAGE bytes at a time: GPU to buffer, buffer
+ * to pages, or the other way. A small buffer stays in the CPU's cache between the DMA and the
+ * memcpy, so each byte crosses host memory once: 24 GB on one H200, 12 threads, went out in
+ * 0.81 s into a file that had its pages, against 1.41 s through 64 MiB buffers and 6 threads
+ * (bench/arena_copy_probe.py; docs/benchmarks.md). The file's pages themselves are never
+ * pinned: unpinning a piece costs more with every context that can reach it (with peer access
+ * on between two cards, 4.4 s of a 29 GB snapshot). */
 #define PIECE (64u << 20)
-#define COPIERS 6
+#define STAGE (4u << 20)
+#define COPIERS 12
 
 typedef struct {
     char *page; /* the piece's first page and the span of its pages */
@@ -211,27 +212,31 @@ static void copy_piece(Plan *plan, Piece *p, void **buffer, int *current, double
         p->res = 201; /* CUDA_ERROR_INVALID_CONTEXT */
         return;
     }
-    if (!buffer[p->device] && cu.alloc_host(&buffer[p->device], PIECE) != 0) {
+    if (!buffer[p->device] && cu.alloc_host(&buffer[p->device], STAGE) != 0) {
         buffer[p->device] = NULL;
         p->res = 2; /* CUDA_ERROR_OUT_OF_MEMORY */
         return;
     }
     char *b = buffer[p->device];
     double t1 = now_s(), t2;
-    if (plan->to_host) {
-        p->res = cu.dtoh(b, p->dev, p->len);
-        t2 = now_s();
-        if (p->res == 0) memcpy(p->host, b, p->len);
-        t[2] += t2 - t1;
-        t[4] += now_s() - t2;
-    } else {
-        memcpy(b, p->host, p->len);
-        t2 = now_s();
-        p->res = cu.htod(p->dev, b, p->len);
-        t[4] += t2 - t1;
-        t[2] += now_s() - t2;
-    }
     t[1] += t1 - t0;
+    for (size_t off = 0; off < p->len && p->res == 0; off += STAGE) {
+        size_t n = p->len - off < STAGE ? p->len - off : STAGE;
+        t1 = now_s();
+        if (plan->to_host) {
+            p->res = cu.dtoh(b, p->dev + off, n);
+            t2 = now_s();
+            if (p->res == 0) memcpy(p->host + off, b, n);
+            t[2] += t2 - t1;
+            t[4] += now_s() - t2;
+        } else {
+            memcpy(b, p->host + off, n);
+            t2 = now_s();
+            p->res = cu.htod(p->dev + off, b, n);
+            t[4] += t2 - t1;
+            t[2] += now_s() - t2;
+        }
+    }
 }
 
 static void *copy_thread(void *arg) {
