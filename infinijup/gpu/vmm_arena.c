@@ -166,10 +166,10 @@ void ij_timings(double *out) {
  * per card, allocated at its first piece on that card and freed at the end; for each piece it
  * makes the file's pages present (a new tmpfs file costs its page allocations and zeroing
  * here) and copies the piece through its buffer, STAGE bytes at a time: GPU to buffer, buffer
- * to pages, or the other way. A small buffer stays in the CPU's cache between the DMA and the
- * memcpy, so each byte crosses host memory once: 24 GB on one H200, 12 threads, went out in
- * 0.81 s into a file that had its pages, against 1.41 s through 64 MiB buffers and 6 threads
- * (bench/arena_copy_probe.py; docs/benchmarks.md). The file's pages themselves are never
+ * to pages, or the other way. Small buffers were faster: 24 GB on one H200, 12 threads, went
+ * out in 0.81 s into a file that had its pages, against 1.41 s through 64 MiB buffers and 6
+ * threads (docs/benchmarks.md). Likely because a small buffer is still in the CPU's cache
+ * between the DMA and the memcpy (not measured). The file's pages themselves are never
  * pinned: unpinning a piece costs more with every context that can reach it (with peer access
  * on between two cards, 4.4 s of a 29 GB snapshot). */
 #define PIECE (64u << 20)
