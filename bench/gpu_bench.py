@@ -55,18 +55,21 @@ from benchkit import (
 from jupyter_client import KernelManager
 
 from infinijup.engine import SnapshotEngine
+from infinijup.gpu import vmm
 from infinijup.helper_client import HelperClient
 from infinijup.store import Repository
 from infinijup_helper import cuda_driver as driver
 from infinijup_helper.cuda_stage import cuda_pids
 
+SEGMENT_PARTS = ("hash_s", *vmm.TIMING_KEYS)
+PARTS_LABEL = " / ".join(k[: -len("_s")] for k in SEGMENT_PARTS)  # "hash / wait / ..."
+
 
 def segment_parts(segments: dict) -> str | None:
     """The way out of the VMM segments, part by part (kernel_magics/gpu_vmm.py's report)."""
-    keys = ("hash_s", "wait_s", "prepare_s", "copy_s", "free_s", "stage_s")
-    if not any(k in segments for k in keys):
+    if not any(k in segments for k in SEGMENT_PARTS):
         return None
-    return " / ".join(f"{segments.get(k, 0):.2f}" for k in keys)
+    return " / ".join(f"{segments.get(k, 0):.2f}" for k in SEGMENT_PARTS)
 
 
 def one_size(size_gb: float, store_dir: Path, shm: Path) -> dict:
@@ -469,7 +472,7 @@ LLAMA_METRICS = [
     ("criu_dump_s", "CRIU dump s"), ("cuda_resume_s", "CUDA resume s"),
     ("publish_s", "publish s"), ("pause_s", "pause s"),
     ("segments_gb", "VMM segments moved GB"), ("segments_s", "VMM segments out s (in quiesce)"),
-    ("segments_parts", "  of which hash / wait / prepare / copy / free / stage s"),
+    ("segments_parts", f"  of which {PARTS_LABEL} s"),
     ("pause_with_quiesce_s", "quiesce + pause s"),
     ("next_cell_s", "next cell answered after Snapshot s"),
     ("running_again_s", "kernel running again s"), ("ingest_s", "ingest s"),
@@ -484,7 +487,7 @@ LLAMA_METRICS = [
     ("pause_vs_pcie", "pause / (live VRAM at pinned D2H)"),
     ("second_pause_with_quiesce_s", "2nd snapshot (one MLP changed): quiesce + pause s"),
     ("second_quiesce_s", "2nd: quiesce s"), ("second_segments_gb", "2nd: VMM segments copied GB"),
-    ("second_segments_parts", "2nd: hash / wait / prepare / copy / free / stage s"),
+    ("second_segments_parts", f"2nd: {PARTS_LABEL} s"),
     ("second_next_cell_s", "2nd: next cell answered after Snapshot s"),
     ("second_stored_gb", "2nd: stored GB"), ("second_stored_vs_live", "2nd: stored / live VRAM"),
     ("restore_hot_s", "restore to first answer, hot s"), ("hot_source", "images from"),

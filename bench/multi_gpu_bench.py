@@ -26,7 +26,7 @@ import tempfile
 import time
 
 from benchkit import GB, execute, make_base, start_helper, start_server, transposed_table
-from gpu_bench import restore_timed, segment_parts, snapshot_with_next_cell
+from gpu_bench import PARTS_LABEL, restore_timed, segment_parts, snapshot_with_next_cell
 
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads
     "tiny": (512, 1376, 4, 8, 8),
@@ -159,9 +159,10 @@ def row_for(gpus: int, shape: str, batch: int, context: int) -> dict:
 METRICS = [("cards", "cards holding the model"), ("live_gb", "live GPU memory (GB)"),
            ("live_per_card_gb", "per card (GB)"), ("build_s", "build (s)"),
            ("pause_s", "pause (s)"), ("quiesce_s", "quiesce (s)"),
-           ("pause_phases", "pause phases (s)"), ("next_cell_s", "next cell answered (s)"), ("segments_gb", "segments out (GB)"),
+           ("pause_phases", "pause phases (s)"), ("next_cell_s", "next cell answered (s)"),
+           ("segments_gb", "segments out (GB)"),
            ("segments_s", "segments out (s)"),
-           ("segments_parts", "hash / wait / prepare / copy / free / stage (s)"),
+           ("segments_parts", f"{PARTS_LABEL} (s)"),
            ("durable_s", "durable commit (s)"), ("image_gb", "image (GB)"),
            ("stored_gb", "stored (GB)"), ("second_pause_s", "second snapshot: pause (s)"),
            ("second_segments_mb", "second: segments copied (MB)"),

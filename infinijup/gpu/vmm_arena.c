@@ -45,10 +45,6 @@ static char *map_file(int fd, size_t len, int write) {
 
 static void unmap_file(char *base, size_t len) { munmap(base, len); }
 
-/* What PyTorch has in use, as (address, length) pairs sorted by address (its memory snapshot:
- * blocks not "inactive"), merged across gaps under 64 KiB. The next ij_sleep_into copies only
- * these ranges (the rest of a segment is cached but free: dead bytes no snapshot should hold)
- * and ij_wake_from copies back only them. n < 0: forget, copy whole segments. */
 /* The pairs that fall in segment s, relative to s->ptr, clipped to it and merged across gaps
  * under `gap`; NULL when memory runs out. */
 static size_t *ranges_in(const Segment *s, const unsigned long long *pairs, int n, size_t gap,
@@ -77,6 +73,10 @@ static size_t *ranges_in(const Segment *s, const unsigned long long *pairs, int 
     return list;
 }
 
+/* What PyTorch has in use, as (address, length) pairs sorted by address (its memory snapshot:
+ * blocks not "inactive"), merged across gaps under MERGE_GAP. The next ij_sleep_into copies
+ * only these ranges (the rest of a segment is cached but free: dead bytes no snapshot should
+ * hold) and ij_wake_from copies back only them. n < 0: forget, copy whole segments. */
 int ij_set_live(const unsigned long long *pairs, int n) {
     pthread_mutex_lock(&lock);
     for (Segment *s = segments; s; s = s->next) {

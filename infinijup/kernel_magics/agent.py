@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 
+from ..gpu import vmm
 from . import describe, gpu_vmm, hooks, isolation
 
 
@@ -184,7 +185,7 @@ def _clean_segments(report: object) -> dict:
         return {"fallback": report["fallback"][:300]}
     out = {k: report[k] for k in ("bytes", "segments", "segment_bytes")
            if type(report.get(k)) is int and report[k] >= 0}
-    for key in ("seconds", "hash_s", "wait_s", "prepare_s", "copy_s", "free_s", "stage_s"):
+    for key in ("seconds", "hash_s", *vmm.TIMING_KEYS):
         if isinstance(report.get(key), (int, float)) and report[key] >= 0:
             out[key] = float(report[key])
     token = report.get("token")
