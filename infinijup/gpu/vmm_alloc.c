@@ -264,6 +264,7 @@ fail_locked:
     pthread_mutex_unlock(&lock);
     return -1;
 }
+
 /* Segments and bytes: in total, on the GPU now, and whose contents are in an arena file, not
  * (all) on the GPU (asleep, or mapped again by a wake that failed before it filled them). */
 void ij_stats(long long *count, long long *bytes, long long *mapped_bytes,
