@@ -22,12 +22,15 @@ enough and what only ``store check --read-data`` still finds). Rebuilt deltas ar
 from __future__ import annotations
 
 import array
+import multiprocessing
 import os
 import secrets
 import shutil
 import threading
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -37,7 +40,13 @@ import zstandard
 
 from . import delta
 from .chunking import PAGE
-from .errors import CheckoutTargetNotEmpty, ChecksumMismatch, CorruptObject, ObjectMissing
+from .errors import (
+    CheckoutTargetNotEmpty,
+    ChecksumMismatch,
+    CorruptObject,
+    ObjectMissing,
+    StoreError,
+)
 from .index import Location
 from .objects import CHUNK, Commit, TreeEntry, hash_bytes
 from .packs import DELTA, ZSTD, pack_path, pwritev_all
@@ -50,6 +59,12 @@ if TYPE_CHECKING:
 
 BATCH = 8 << 20  # bytes of file content per read/verify/write job
 RUN_MAX = 4 << 20  # stored (and raw) bytes of one run: one preadv, one pwritev
+LOOKUP_SLICE = 16384  # chunks looked up in the index at a time (about 0.5 GB of a file)
+# A plain store's files from this size on are written by worker processes, one per core (at
+# most MAX_PROCESSES): threads share one GIL, and at 8 threads on 16 cores a 6 GB checkout
+# kept 3.4-4.6 cores busy (bench/checkout_probe.py, docs/benchmarks.md).
+PROCESS_MIN = 256 << 20
+MAX_PROCESSES = 16
 # Plaintext bytes per decompression call: one call per group releases the GIL once for
 # several chunks, and its output buffer stays small enough for malloc to recycle (a fresh
 # multi-MiB output per run costs page faults, one per 4 KiB: measured per GB checked out,
@@ -96,9 +111,13 @@ class Materializer:
         self.repo = repo
         n = max(1, threads or default_threads())
         self.threads = n
+        cores = os.cpu_count() or 1
+        # on 2 cores the GIL is not what limits threads, and processes cost their start
+        self.processes = threads or (min(cores, MAX_PROCESSES) if cores >= 4 else 1)
         self._pool = ThreadPoolExecutor(n, thread_name_prefix="ijcheckout") if n > 1 else None
         self._fds: dict[str, int] = {}
         self._fds_lock = threading.Lock()
+        self._decoder = RunDecoder()
         self._local = threading.local()
         self._key = repo.key
         self._zero_ids = _zero_chunk_ids(repo.chunker.max_size, self._key)
@@ -136,38 +155,75 @@ class Materializer:
     def file(self, entry: TreeEntry, path: Path) -> None:
         """Write the file ``entry`` at ``path`` (which must not exist)."""
         size, chunks = self.repo.get_blob_chunks(entry.id)
-        locs = self.repo.index.lookup_many(chunks)
-        if len(locs) < len(set(chunks)):
-            missing = next(c for c in chunks if c not in locs)
-            raise ObjectMissing(f"file {path.name}: chunk {missing.hex()} is not in the store")
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         jobs: deque[Future[None]] = deque()
+        procs = _process_pool(self.processes) \
+            if self._key is None and size >= PROCESS_MIN and self.processes > 1 else None
+        submit = (lambda fd, batch: [self._submit(fd, batch)]) if procs is None \
+            else self._in_processes(procs, path)
         try:
-            offset = self._plan(chunks, locs, fd, jobs)
+            offset = self._plan(self._located(chunks, path.name), fd, jobs, submit)
             while jobs:
                 jobs.popleft().result()
             if offset != size:
                 raise CorruptObject(f"blob {entry.id}: chunks hold {offset} bytes, not {size}")
             os.ftruncate(fd, size)
+        except BrokenProcessPool as exc:
+            raise StoreError(f"file {path.name}: a checkout process ended ({exc})",
+                             reason="checkout_process_died") from exc
         finally:
             for job in jobs:  # on error: let running jobs end before closing their file
                 job.exception()
             os.close(fd)
+            if procs is not None:
+                procs.shutdown(wait=True, cancel_futures=True)
         os.chmod(path, entry.mode)
 
-    def _plan(self, chunks: list[bytes], locs: dict[bytes, Any], fd: int,
-              jobs: deque[Future[None]]) -> int:
+    def _in_processes(self, procs: ProcessPoolExecutor, path: Path
+                      ) -> Callable[[int, list[Run]], list[Future[None]]]:
+        """A job's submitter for ``procs``: its plain runs go to a worker process (which
+        opens ``path`` itself), its delta runs (which read other chunks through the index)
+        to this process's threads."""
+        packs = str(self.repo.packs_dir)
+
+        def submit(fd: int, batch: list[Run]) -> list[Future[None]]:
+            # the disk starts reading each job's runs as it is queued (up to two jobs per
+            # worker ahead), not when a worker gets to them
+            for pack, start, stored, _at, _items in batch:
+                os.posix_fadvise(self._pack_fd(pack), start, stored, os.POSIX_FADV_WILLNEED)
+            plain = [run for run in batch if run[4][0][3] != DELTA]
+            deltas = [run for run in batch if run[4][0][3] == DELTA]
+            return ([procs.submit(_write_in_process, packs, str(path), plain)] if plain else []) \
+                + ([self._submit(fd, deltas)] if deltas else [])
+
+        return submit
+
+    def _located(self, chunks: list[bytes], name: str) -> Iterator[tuple[bytes, Any]]:
+        """The file's chunks with their locations, looked up ``LOOKUP_SLICE`` at a time, so
+        the workers write the first runs while the index answers for the next ones (a
+        10 GB file's ~500K lookups took about 1 s before the first write)."""
+        for i in range(0, len(chunks), LOOKUP_SLICE):
+            part = chunks[i : i + LOOKUP_SLICE]
+            locs = self.repo.index.lookup_many(part)
+            for cid in part:
+                loc = locs.get(cid)
+                if loc is None:
+                    raise ObjectMissing(f"file {name}: chunk {cid.hex()} is not in the store")
+                yield cid, loc
+
+    def _plan(self, located: Iterator[tuple[bytes, Any]], fd: int, jobs: deque[Future[None]],
+              submit: Callable[[int, list[Run]], list[Future[None]]]) -> int:
         """Cut the file into runs, submit them in jobs of ~BATCH bytes; return the size."""
         zero_ids = self._zero_ids
-        limit = self.threads * 2
+        limit = 2 * max(self.threads, self.processes)  # jobs in flight
         batch: list[Run] = []
         batch_bytes = 0
         run: list[tuple[bytes, int, int, int]] = []
         run_pack, run_start, run_end, run_file, run_raw = "", 0, -1, 0, 0
         run_delta = False
         offset = 0
-        for cid in chunks:
-            pack, off, length, raw, _typ, comp = locs[cid]
+        for cid, loc in located:
+            pack, off, length, raw, _typ, comp = loc
             if zero_ids.get(raw) == cid:  # zero chunks become holes
                 offset += raw
                 if run:
@@ -179,7 +235,7 @@ class Materializer:
                 if run:
                     batch.append((run_pack, run_start, run_end - run_start, run_file, run))
                     if batch_bytes >= BATCH:
-                        jobs.append(self._submit(fd, batch))
+                        jobs.extend(submit(fd, batch))
                         batch, batch_bytes = [], 0
                         while len(jobs) > limit:
                             jobs.popleft().result()
@@ -194,7 +250,7 @@ class Materializer:
         if run:
             batch.append((run_pack, run_start, run_end - run_start, run_file, run))
         if batch:
-            jobs.append(self._submit(fd, batch))
+            jobs.extend(submit(fd, batch))
         return offset
 
     def _submit(self, fd: int, batch: list[Run]) -> Future[None]:
@@ -212,15 +268,9 @@ class Materializer:
         """Worker job: read, verify (a plain store's by BLAKE3, an encrypted one's by the
         tags) and write runs (delta chunks last, their sources looked up in one query)."""
         deltas: list[tuple[bytes, Location, bytes, int]] = []
+        dec = self._decoder
         for pack, start, stored, file_offset, items in runs:
-            buf = self._buffer(stored)
-            got = os.preadv(self._pack_fd(pack), [buf], start)
-            if got < stored:
-                pos = 0
-                for cid, length, _raw, _comp in items:
-                    pos += length
-                    if pos > got:
-                        raise ChecksumMismatch(f"object {cid.hex()} in pack {pack}: short read")
+            buf = dec.read(self._pack_fd(pack), pack, start, stored, items)
             if self._key is not None:  # open every chunk; then decode the payloads as a run
                 buf, items = self._open_run(buf, pack, items)
             if items[0][3] == DELTA:
@@ -228,17 +278,14 @@ class Materializer:
                 deltas.append((cid, Location(pack, start, length, raw, CHUNK, comp), bytes(buf),
                                file_offset))
                 continue
-            out = self._decode_run(buf, pack, items)
+            out = dec.decode(buf, pack, items)
             if self._key is not None:  # opened: each tag proved its payload is its id's
                 for (cid, _length, raw, _comp), data in zip(items, out, strict=True):
                     if len(data) != raw:  # the index's raw length is not sealed
                         raise ChecksumMismatch(
                             f"object {cid.hex()} in pack {pack}: {len(data)} bytes, not {raw}")
-                pwritev_all(fd, out, file_offset)
-                continue
-            for (cid, _length, raw, _comp), data in zip(items, out, strict=True):
-                if len(data) != raw or blake3.blake3(data).digest() != cid:
-                    raise ChecksumMismatch(f"object {cid.hex()} in pack {pack}: checksum mismatch")
+            else:
+                verify(pack, items, out)
             pwritev_all(fd, out, file_offset)
         if deltas:
             self._write_deltas(fd, deltas)
@@ -286,8 +333,40 @@ class Materializer:
             raise ChecksumMismatch(f"{exc} (in pack {pack})") from None
         return out[:at], opened
 
-    def _decode_run(self, buf: memoryview, pack: str, items: list[tuple[bytes, int, int, int]]
-                    ) -> list[Any]:
+    def _pack_fd(self, pack: str) -> int:
+        with self._fds_lock:
+            fd = self._fds.get(pack)
+            if fd is None:
+                try:
+                    fd = os.open(pack_path(self.repo.packs_dir, pack), os.O_RDONLY | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    raise ObjectMissing(f"pack {pack} is missing") from None
+                self._fds[pack] = fd
+            return fd
+
+
+class RunDecoder:
+    """Reads, decodes and verifies runs, with a read buffer and a zstd context per thread
+    (a checkout's threads share one; a worker process has its own)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def read(self, pack_fd: int, pack: str, start: int, stored: int,
+             items: list[tuple[bytes, int, int, int]]) -> memoryview:
+        """A run's stored bytes, in this thread's buffer; a short read names its object."""
+        buf = self.buffer(stored)
+        got = os.preadv(pack_fd, [buf], start)
+        if got < stored:
+            pos = 0
+            for cid, length, _raw, _comp in items:
+                pos += length
+                if pos > got:
+                    raise ChecksumMismatch(f"object {cid.hex()} in pack {pack}: short read")
+        return buf
+
+    def decode(self, buf: memoryview, pack: str, items: list[tuple[bytes, int, int, int]]
+               ) -> list[Any]:
         """The plaintexts of a run read into ``buf`` (not yet verified): raw chunks are
         views of ``buf``; zstd chunks are decompressed a group at a time, in one call per
         group that releases the GIL once (``multi_decompress_to_buffer``)."""
@@ -344,23 +423,57 @@ class Materializer:
             dctx = self._local.dctx = zstandard.ZstdDecompressor()
         return dctx
 
-    def _buffer(self, size: int) -> memoryview:
+    def buffer(self, size: int) -> memoryview:
         """A per-thread read buffer of at least ``size`` bytes, reused across runs."""
         buf = getattr(self._local, "buf", None)
         if buf is None or len(buf) < size:  # a run ends past RUN_MAX by up to one chunk
             buf = self._local.buf = memoryview(bytearray(max(size, 2 * RUN_MAX)))
         return buf[:size]
 
-    def _pack_fd(self, pack: str) -> int:
-        with self._fds_lock:
-            fd = self._fds.get(pack)
-            if fd is None:
+
+def verify(pack: str, items: list[tuple[bytes, int, int, int]], out: list[Any]) -> None:
+    """A plain store's chunks of one run, decoded: each one's BLAKE3 is its id."""
+    for (cid, _length, raw, _comp), data in zip(items, out, strict=True):
+        if len(data) != raw or blake3.blake3(data).digest() != cid:
+            raise ChecksumMismatch(f"object {cid.hex()} in pack {pack}: checksum mismatch")
+
+
+# --- worker processes (large files of a plain store) ---------------------------------------
+
+_FORKSERVER = multiprocessing.get_context("forkserver")
+_worker: dict[str, Any] = {}  # in a worker process: its decoder and open packs
+
+
+def _process_pool(n: int) -> ProcessPoolExecutor:
+    """``n`` workers forked from a clean server process (not from the caller, whose other
+    threads may hold locks) that has imported this module and the caller's main module once
+    (a worker imports the main module again unless its server has: the Jupyter server's is
+    the whole server)."""
+    _FORKSERVER.set_forkserver_preload(["__main__", __name__])
+    return ProcessPoolExecutor(n, mp_context=_FORKSERVER)
+
+
+def _write_in_process(packs_dir: str, path: str, runs: list[Run]) -> None:
+    """Worker process job: read, decode, verify and write plain runs into ``path`` (the
+    file the checkout created; opened here without following links)."""
+    dec = _worker.setdefault("decoder", RunDecoder())
+    fds: dict[str, int] = _worker.setdefault("packs", {})
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        for pack, start, stored, file_offset, items in runs:
+            pack_fd = fds.get(pack)
+            if pack_fd is None:
                 try:
-                    fd = os.open(pack_path(self.repo.packs_dir, pack), os.O_RDONLY | os.O_CLOEXEC)
+                    pack_fd = os.open(pack_path(Path(packs_dir), pack), os.O_RDONLY | os.O_CLOEXEC)
                 except FileNotFoundError:
                     raise ObjectMissing(f"pack {pack} is missing") from None
-                self._fds[pack] = fd
-            return fd
+                fds[pack] = pack_fd
+            buf = dec.read(pack_fd, pack, start, stored, items)
+            out = dec.decode(buf, pack, items)
+            verify(pack, items, out)
+            pwritev_all(fd, out, file_offset)
+    finally:
+        os.close(fd)
 
 
 def _zero_chunk_ids(max_size: int, key: Any = None) -> dict[int, bytes]:
