@@ -17,40 +17,36 @@ again: the tag of each (its keyed id, type and compression are the associated da
 proved that the payload is the one a key holder sealed under that id, and a flipped or moved
 byte fails it (docs/store.md, "Verifying an encrypted store's reads", says why that is
 enough and what only ``store check --read-data`` still finds). Rebuilt deltas are verified.
+
+The index is asked for a file's chunks a slice at a time, so the first runs are written
+while it answers for the next. A plain store's large files (``PROCESS_MIN``) are written by
+worker processes instead of threads, on machines of 4 cores or more: the parent plans the
+runs, asks the disk to read each job's runs as it queues it, and keeps the delta runs on
+its threads (docs/store.md, "Checkout does the reverse").
 """
 
 from __future__ import annotations
 
-import array
-import multiprocessing
 import os
 import secrets
 import shutil
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-import blake3
-import zstandard
-
 from . import delta
+from .checkout_workers import Workers
 from .chunking import PAGE
-from .errors import (
-    CheckoutTargetNotEmpty,
-    ChecksumMismatch,
-    CorruptObject,
-    ObjectMissing,
-    StoreError,
-)
+from .errors import CheckoutTargetNotEmpty, ChecksumMismatch, CorruptObject, ObjectMissing
 from .index import Location
 from .objects import CHUNK, Commit, TreeEntry, hash_bytes
-from .packs import DELTA, ZSTD, pack_path, pwritev_all
+from .packs import DELTA, pack_path, pwritev_all
 from .reader import ObjectReader
+from .runs import RUN_MAX, Run, RunDecoder, verify
 from .thinned import refuse_thinned
 from .writer import default_threads
 
@@ -58,22 +54,12 @@ if TYPE_CHECKING:
     from .repository import Repository
 
 BATCH = 8 << 20  # bytes of file content per read/verify/write job
-RUN_MAX = 4 << 20  # stored (and raw) bytes of one run: one preadv, one pwritev
 LOOKUP_SLICE = 16384  # chunks looked up in the index at a time (about 0.5 GB of a file)
 # A plain store's files from this size on are written by worker processes, one per core (at
-# most MAX_PROCESSES): threads share one GIL, and at 8 threads on 16 cores a 6 GB checkout
-# kept 3.4-4.6 cores busy (bench/checkout_probe.py, docs/benchmarks.md).
-PROCESS_MIN = 256 << 20
+# most MAX_PROCESSES): threads share one GIL, and at 8 or 16 threads on 16 cores a 6 GB
+# checkout kept 3.4-4.6 cores busy (bench/checkout_probe.py, docs/benchmarks.md).
+PROCESS_MIN = 1 << 30
 MAX_PROCESSES = 16
-# Plaintext bytes per decompression call: one call per group releases the GIL once for
-# several chunks, and its output buffer stays small enough for malloc to recycle (a fresh
-# multi-MiB output per run costs page faults, one per 4 KiB: measured per GB checked out,
-# ~28K faults at 128 KiB against ~100K at 256 KiB and 150K-270K with one call per run).
-DECOMPRESS_GROUP = 128 << 10
-
-#: One run: (pack, offset in the pack, stored bytes, offset in the file, chunks as
-#: (id, stored length, raw length, compression)).
-Run = tuple[str, int, int, int, list[tuple[bytes, int, int, int]]]
 
 
 def checkout_dir(repo: Repository, ref: str, path: str | os.PathLike[str], *,
@@ -157,7 +143,7 @@ class Materializer:
         size, chunks = self.repo.get_blob_chunks(entry.id)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         jobs: deque[Future[None]] = deque()
-        procs = _process_pool(self.processes) \
+        procs = Workers(self.processes) \
             if self._key is None and size >= PROCESS_MIN and self.processes > 1 else None
         submit = (lambda fd, batch: [self._submit(fd, batch)]) if procs is None \
             else self._in_processes(procs, path)
@@ -168,18 +154,15 @@ class Materializer:
             if offset != size:
                 raise CorruptObject(f"blob {entry.id}: chunks hold {offset} bytes, not {size}")
             os.ftruncate(fd, size)
-        except BrokenProcessPool as exc:
-            raise StoreError(f"file {path.name}: a checkout process ended ({exc})",
-                             reason="checkout_process_died") from exc
         finally:
             for job in jobs:  # on error: let running jobs end before closing their file
                 job.exception()
             os.close(fd)
             if procs is not None:
-                procs.shutdown(wait=True, cancel_futures=True)
+                procs.close()
         os.chmod(path, entry.mode)
 
-    def _in_processes(self, procs: ProcessPoolExecutor, path: Path
+    def _in_processes(self, procs: Workers, path: Path
                       ) -> Callable[[int, list[Run]], list[Future[None]]]:
         """A job's submitter for ``procs``: its plain runs go to a worker process (which
         opens ``path`` itself), its delta runs (which read other chunks through the index)
@@ -193,7 +176,7 @@ class Materializer:
                 os.posix_fadvise(self._pack_fd(pack), start, stored, os.POSIX_FADV_WILLNEED)
             plain = [run for run in batch if run[4][0][3] != DELTA]
             deltas = [run for run in batch if run[4][0][3] == DELTA]
-            return ([procs.submit(_write_in_process, packs, str(path), plain)] if plain else []) \
+            return ([procs.submit(packs, str(path), plain)] if plain else []) \
                 + ([self._submit(fd, deltas)] if deltas else [])
 
         return submit
@@ -343,137 +326,6 @@ class Materializer:
                     raise ObjectMissing(f"pack {pack} is missing") from None
                 self._fds[pack] = fd
             return fd
-
-
-class RunDecoder:
-    """Reads, decodes and verifies runs, with a read buffer and a zstd context per thread
-    (a checkout's threads share one; a worker process has its own)."""
-
-    def __init__(self) -> None:
-        self._local = threading.local()
-
-    def read(self, pack_fd: int, pack: str, start: int, stored: int,
-             items: list[tuple[bytes, int, int, int]]) -> memoryview:
-        """A run's stored bytes, in this thread's buffer; a short read names its object."""
-        buf = self.buffer(stored)
-        got = os.preadv(pack_fd, [buf], start)
-        if got < stored:
-            pos = 0
-            for cid, length, _raw, _comp in items:
-                pos += length
-                if pos > got:
-                    raise ChecksumMismatch(f"object {cid.hex()} in pack {pack}: short read")
-        return buf
-
-    def decode(self, buf: memoryview, pack: str, items: list[tuple[bytes, int, int, int]]
-               ) -> list[Any]:
-        """The plaintexts of a run read into ``buf`` (not yet verified): raw chunks are
-        views of ``buf``; zstd chunks are decompressed a group at a time, in one call per
-        group that releases the GIL once (``multi_decompress_to_buffer``)."""
-        out: list[Any] = []
-        group: list[int] = []  # indexes of the zstd chunks of the current group
-        group_raw = 0
-        pos = 0
-        for k, (_cid, length, raw, comp) in enumerate(items):
-            if comp == ZSTD:
-                if group and group_raw + raw > DECOMPRESS_GROUP:
-                    self._decompress(buf, pack, items, group, out)
-                    group, group_raw = [], 0
-                group.append(k)
-                group_raw += raw
-                out.append(pos)  # replaced by the plaintext
-            else:
-                out.append(buf[pos : pos + length])
-            pos += length
-        if group:
-            self._decompress(buf, pack, items, group, out)
-        return out
-
-    def _decompress(self, buf: memoryview, pack: str, items: list[tuple[bytes, int, int, int]],
-                    group: list[int], out: list[Any]) -> None:
-        """Decompress the zstd chunks ``group`` of a run (``out[k]`` holds each one's offset
-        in ``buf``) into ``out``."""
-        frames = array.array("Q")  # (offset, length) of each frame in buf
-        sizes = array.array("Q")
-        for k in group:
-            frames.append(out[k])
-            frames.append(items[k][1])
-            sizes.append(items[k][2])
-        dctx = self._dctx()
-        try:
-            plain = dctx.multi_decompress_to_buffer(
-                zstandard.BufferWithSegments(buf, frames.tobytes()),
-                decompressed_sizes=sizes.tobytes(), threads=1)
-        except zstandard.ZstdError:  # find and name the damaged object
-            for k in group:
-                cid, length, raw, _comp = items[k]
-                try:
-                    dctx.decompress(buf[out[k] : out[k] + length], max_output_size=raw)
-                except zstandard.ZstdError as exc:
-                    raise ChecksumMismatch(f"object {cid.hex()} in pack {pack}: does not "
-                                           f"decompress ({exc})") from exc
-            raise ChecksumMismatch(f"pack {pack}: the objects from {items[group[0]][0].hex()} "
-                                   "on do not decompress together") from None
-        for j, k in enumerate(group):
-            out[k] = plain[j]
-
-    def _dctx(self) -> zstandard.ZstdDecompressor:
-        dctx = getattr(self._local, "dctx", None)
-        if dctx is None:
-            dctx = self._local.dctx = zstandard.ZstdDecompressor()
-        return dctx
-
-    def buffer(self, size: int) -> memoryview:
-        """A per-thread read buffer of at least ``size`` bytes, reused across runs."""
-        buf = getattr(self._local, "buf", None)
-        if buf is None or len(buf) < size:  # a run ends past RUN_MAX by up to one chunk
-            buf = self._local.buf = memoryview(bytearray(max(size, 2 * RUN_MAX)))
-        return buf[:size]
-
-
-def verify(pack: str, items: list[tuple[bytes, int, int, int]], out: list[Any]) -> None:
-    """A plain store's chunks of one run, decoded: each one's BLAKE3 is its id."""
-    for (cid, _length, raw, _comp), data in zip(items, out, strict=True):
-        if len(data) != raw or blake3.blake3(data).digest() != cid:
-            raise ChecksumMismatch(f"object {cid.hex()} in pack {pack}: checksum mismatch")
-
-
-# --- worker processes (large files of a plain store) ---------------------------------------
-
-_FORKSERVER = multiprocessing.get_context("forkserver")
-_worker: dict[str, Any] = {}  # in a worker process: its decoder and open packs
-
-
-def _process_pool(n: int) -> ProcessPoolExecutor:
-    """``n`` workers forked from a clean server process (not from the caller, whose other
-    threads may hold locks) that has imported this module and the caller's main module once
-    (a worker imports the main module again unless its server has: the Jupyter server's is
-    the whole server)."""
-    _FORKSERVER.set_forkserver_preload(["__main__", __name__])
-    return ProcessPoolExecutor(n, mp_context=_FORKSERVER)
-
-
-def _write_in_process(packs_dir: str, path: str, runs: list[Run]) -> None:
-    """Worker process job: read, decode, verify and write plain runs into ``path`` (the
-    file the checkout created; opened here without following links)."""
-    dec = _worker.setdefault("decoder", RunDecoder())
-    fds: dict[str, int] = _worker.setdefault("packs", {})
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    try:
-        for pack, start, stored, file_offset, items in runs:
-            pack_fd = fds.get(pack)
-            if pack_fd is None:
-                try:
-                    pack_fd = os.open(pack_path(Path(packs_dir), pack), os.O_RDONLY | os.O_CLOEXEC)
-                except FileNotFoundError:
-                    raise ObjectMissing(f"pack {pack} is missing") from None
-                fds[pack] = pack_fd
-            buf = dec.read(pack_fd, pack, start, stored, items)
-            out = dec.decode(buf, pack, items)
-            verify(pack, items, out)
-            pwritev_all(fd, out, file_offset)
-    finally:
-        os.close(fd)
 
 
 def _zero_chunk_ids(max_size: int, key: Any = None) -> dict[int, bytes]:

@@ -22,7 +22,7 @@ from infinijup.store import Repository
 from infinijup.store.check import check
 from infinijup.store.checkout import checkout_dir
 from infinijup.store.chunking import chunk_lengths
-from infinijup.store.errors import ChecksumMismatch, ObjectMissing
+from infinijup.store.errors import ChecksumMismatch, ObjectMissing, StoreError
 from infinijup.store.layout import pack_files
 from infinijup.store.objects import hash_bytes
 from infinijup.store.packs import DELTA, RAW, ZSTD, PackWriter, encode_header, read_pack_header
@@ -232,8 +232,8 @@ def test_large_files_are_written_by_worker_processes(tmp_path: Path,
 
     monkeypatch.setattr(checkout, "PROCESS_MIN", 1 << 20)
     pools: list[int] = []
-    real_pool = checkout._process_pool
-    monkeypatch.setattr(checkout, "_process_pool", lambda n: pools.append(n) or real_pool(n))
+    real_workers = checkout.Workers
+    monkeypatch.setattr(checkout, "Workers", lambda n: pools.append(n) or real_workers(n))
     repo = Repository.init(tmp_path / "store", pack_size=1 << 20)
     part = random_bytes(500_000, seed=30) + structured(500_000, 31)
     data = part + bytes(1 << 20) + random_bytes(3 << 20, seed=32) + part
@@ -265,6 +265,38 @@ def test_large_files_are_written_by_worker_processes(tmp_path: Path,
     os.unlink(pack_files(repo)[pack])
     with pytest.raises(ObjectMissing, match=pack):
         checkout_dir(repo, first.id, tmp_path / "gone", threads=2)
+
+
+def test_a_dead_checkout_worker_fails_the_checkout(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers killed before their first job: the checkout fails with the reason, leaves
+    nothing at the target, and a checkout after it works."""
+    import infinijup.store.checkout as checkout
+    from infinijup.store.checkout_workers import Workers
+
+    monkeypatch.setattr(checkout, "PROCESS_MIN", 1 << 20)
+    data = random_bytes(3 << 20, seed=40)
+    repo = Repository.init(tmp_path / "store")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "img").write_bytes(data)
+    commit = repo.commit_dir(src, thread="t")
+
+    def killed(n: int) -> Workers:
+        workers = Workers(n)
+        for proc in workers._procs:
+            proc.kill()
+            proc.wait()
+        return workers
+
+    monkeypatch.setattr(checkout, "Workers", killed)
+    with pytest.raises(StoreError) as err:
+        checkout_dir(repo, commit.id, tmp_path / "out", threads=2)
+    assert err.value.reason == "checkout_process_died"
+    assert not (tmp_path / "out").exists()
+    monkeypatch.setattr(checkout, "Workers", Workers)
+    checkout_dir(repo, commit.id, tmp_path / "out", threads=2)
+    assert (tmp_path / "out" / "img").read_bytes() == data
 
 
 def test_sealed_packs_are_indexed_in_batches(tmp_path: Path,

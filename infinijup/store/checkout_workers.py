@@ -1,0 +1,150 @@
+"""Worker processes that write a checkout's large files (checkout.py), past the one GIL
+that the checkout's threads share.
+
+Each worker is a fresh ``python -m infinijup.store.checkout_workers`` (started with exec, so
+nothing of the caller's threads or locks comes along, and it imports only the store's run
+code) driven by one thread of the caller: a job, pickled onto its stdin, names the packs'
+directory, the file the checkout created and the runs to write; the worker opens both
+itself (the file without following links), reads, verifies and writes the runs, and
+answers on its stdout: ``None``, or the error it raised (a checksum, a short read, a missing
+pack), which the caller raises as it is. A worker that dies or answers garbage fails the
+job with ``checkout_process_died``. Both ends are the same user's processes, so the pickles
+cross no trust boundary.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import struct
+import subprocess
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import IO, Any
+
+from .errors import ObjectMissing, StoreError
+from .packs import pack_path
+from .runs import Run, RunDecoder, write_plain_runs
+
+_LEN = struct.Struct("<Q")
+#: The directory the ``infinijup`` package is in, for the workers' ``PYTHONPATH``.
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+class WorkerDied(StoreError):
+    """A checkout worker process ended or stopped answering sense."""
+
+    reason = "checkout_process_died"
+
+
+class Workers:
+    """``n`` worker processes; ``submit`` returns a future of one job's end."""
+
+    def __init__(self, n: int) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+        self._idle: queue.SimpleQueue[subprocess.Popen[bytes]] = queue.SimpleQueue()
+        self._procs: list[subprocess.Popen[bytes]] = []
+        try:
+            for _ in range(n):
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", __name__], stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, env=env, close_fds=True)
+                self._procs.append(proc)
+                self._idle.put(proc)
+        except BaseException:
+            self.close()
+            raise
+        self._threads = ThreadPoolExecutor(n, thread_name_prefix="ijcheckout-proc")
+
+    def submit(self, packs_dir: str, path: str, runs: list[Run]) -> Future[None]:
+        return self._threads.submit(self._run, pickle.dumps((packs_dir, path, runs)))
+
+    def _run(self, job: bytes) -> None:
+        proc = self._idle.get()
+        try:
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write(_LEN.pack(len(job)) + job)
+            proc.stdin.flush()
+            answer = pickle.loads(_read_exact(proc.stdout, _LEN.unpack(
+                _read_exact(proc.stdout, _LEN.size))[0]))
+        except Exception as exc:  # noqa: BLE001 - a broken pipe, a short or bad answer
+            raise WorkerDied(f"a checkout worker process ended ({exc!r}, exit status "
+                             f"{proc.poll()})") from exc
+        finally:
+            self._idle.put(proc)
+        if answer is not None:
+            raise answer
+
+    def close(self) -> None:
+        """End the workers (their stdin closes) and wait for them."""
+        if hasattr(self, "_threads"):
+            self._threads.shutdown(wait=True)
+        for proc in self._procs:
+            if proc.stdin is not None:
+                try:
+                    proc.stdin.close()
+                except OSError:
+                    pass
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+def _read_exact(f: IO[bytes], n: int) -> bytes:
+    data = f.read(n)
+    if data is None or len(data) != n:
+        raise EOFError(f"{len(data or b'')} of {n} bytes")
+    return data
+
+
+def _serve(inp: IO[bytes], out: IO[bytes]) -> None:
+    """A worker's loop: jobs in, answers out, until its input closes."""
+    dec = RunDecoder()
+    packs: dict[str, int] = {}
+    while True:
+        head = inp.read(_LEN.size)
+        if not head:
+            return
+        packs_dir, path, runs = pickle.loads(_read_exact(inp, _LEN.unpack(head)[0]))
+
+        def pack_fd(pack: str, packs_dir: str = packs_dir) -> int:
+            fd = packs.get(pack)
+            if fd is None:
+                try:
+                    fd = os.open(pack_path(Path(packs_dir), pack), os.O_RDONLY | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    raise ObjectMissing(f"pack {pack} is missing") from None
+                packs[pack] = fd
+            return fd
+
+        answer: Any = None
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            try:
+                write_plain_runs(dec, fd, runs, pack_fd)
+            finally:
+                os.close(fd)
+        except Exception as exc:  # noqa: BLE001 - sent to the caller, who raises it
+            answer = exc
+        try:
+            data = pickle.dumps(answer)
+        except Exception:  # noqa: BLE001 - an error that does not pickle goes as its text
+            data = pickle.dumps(StoreError(f"checkout worker: {answer!r}"))
+        out.write(_LEN.pack(len(data)) + data)
+        out.flush()
+
+
+if __name__ == "__main__":
+    # Answers go on a private copy of stdout; anything printed goes to stderr instead.
+    answers = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    _serve(sys.stdin.buffer, answers)
