@@ -1,9 +1,9 @@
 """Worker processes that write a checkout's large files (checkout.py), past the one GIL
 that the checkout's threads share.
 
-Each worker is a fresh ``python -m infinijup.store.checkout_workers`` (started with exec, so
-nothing of the caller's threads or locks comes along, and it imports only the store's run
-code) driven by one thread of the caller: a job, pickled onto its stdin, names the packs'
+Each worker is a fresh Python (started with exec, so nothing of the caller's threads or locks
+comes along) that imports this module from the caller's ``sys.path``, driven by one thread
+of the caller: a job, pickled onto its stdin, names the packs'
 directory, the file the checkout created and the runs to write; the worker opens both
 itself (the file without following links), reads, verifies and writes the runs, and
 answers on its stdout: ``None``, or the error it raised (a checksum, a short read, a missing
@@ -14,6 +14,7 @@ cross no trust boundary.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import queue
@@ -29,8 +30,9 @@ from .packs import pack_path
 from .runs import Run, RunDecoder, write_plain_runs
 
 _LEN = struct.Struct("<Q")
-#: The directory the ``infinijup`` package is in, for the workers' ``PYTHONPATH``.
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+#: A worker's program: the caller's import path, then this module's loop.
+_BOOT = (f"import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
+         f"from {__name__} import main; main()")
 
 
 class WorkerDied(StoreError):
@@ -43,16 +45,13 @@ class Workers:
     """``n`` worker processes; ``submit`` returns a future of one job's end."""
 
     def __init__(self, n: int) -> None:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+        argv = [sys.executable, "-c", _BOOT, json.dumps(sys.path)]
         self._idle: queue.SimpleQueue[subprocess.Popen[bytes]] = queue.SimpleQueue()
         self._procs: list[subprocess.Popen[bytes]] = []
         try:
             for _ in range(n):
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", __name__], stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE, env=env, close_fds=True)
+                proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        close_fds=True)
                 self._procs.append(proc)
                 self._idle.put(proc)
         except BaseException:
@@ -143,8 +142,8 @@ def _serve(inp: IO[bytes], out: IO[bytes]) -> None:
         out.flush()
 
 
-if __name__ == "__main__":
-    # Answers go on a private copy of stdout; anything printed goes to stderr instead.
+def main() -> None:
+    """A worker: answers go on a private copy of stdout; anything printed, to stderr."""
     answers = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     _serve(sys.stdin.buffer, answers)
