@@ -143,11 +143,12 @@ class Materializer:
         size, chunks = self.repo.get_blob_chunks(entry.id)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         jobs: deque[Future[None]] = deque()
-        procs = Workers(self.processes) \
-            if self._key is None and size >= PROCESS_MIN and self.processes > 1 else None
-        submit = (lambda fd, batch: [self._submit(fd, batch)]) if procs is None \
-            else self._in_processes(procs, path)
+        procs: Workers | None = None
         try:
+            if self._key is None and size >= PROCESS_MIN and self.processes > 1:
+                procs = Workers(self.processes)
+            submit = (lambda fd, batch: [self._submit(fd, batch)]) if procs is None \
+                else self._in_processes(procs, path)
             offset = self._plan(self._located(chunks, path.name), fd, jobs, submit)
             while jobs:
                 jobs.popleft().result()

@@ -1,15 +1,14 @@
 """Worker processes that write a checkout's large files (checkout.py), past the one GIL
 that the checkout's threads share.
 
-Each worker is a fresh Python (started with exec, so nothing of the caller's threads or locks
-comes along) that imports this module from the caller's ``sys.path``, driven by one thread
-of the caller: a job, pickled onto its stdin, names the packs'
-directory, the file the checkout created and the runs to write; the worker opens both
-itself (the file without following links), reads, verifies and writes the runs, and
-answers on its stdout: ``None``, or the error it raised (a checksum, a short read, a missing
-pack), which the caller raises as it is. A worker that dies or answers garbage fails the
-job with ``checkout_process_died``. Both ends are the same user's processes, so the pickles
-cross no trust boundary.
+Each worker is a fresh Python (exec'd, so nothing of the caller's threads or locks comes
+along) that imports this module from the caller's ``sys.path``, driven by one thread of the
+caller: a job, pickled onto its stdin, names the packs' directory, the file the checkout
+created and the runs to write; the worker opens both itself (the file without following
+links), reads, verifies and writes the runs, and answers on its stdout: ``None``, or the
+error it raised (a checksum, a short read, a missing pack), which the caller raises as it
+is. A worker that dies or answers garbage fails the job with ``checkout_process_died``.
+Both ends are the same user's processes, so the pickles cross no trust boundary.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ _BOOT = (f"import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
 
 
 class WorkerDied(StoreError):
-    """A checkout worker process ended or stopped answering sense."""
+    """A checkout worker process ended, or its answer could not be read."""
 
     reason = "checkout_process_died"
 
