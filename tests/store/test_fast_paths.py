@@ -24,7 +24,7 @@ from infinijup.store.checkout import checkout_dir
 from infinijup.store.chunking import chunk_lengths
 from infinijup.store.errors import ChecksumMismatch, ObjectMissing, StoreError
 from infinijup.store.layout import pack_files
-from infinijup.store.objects import hash_bytes
+from infinijup.store.objects import Commit, hash_bytes
 from infinijup.store.packs import DELTA, RAW, ZSTD, PackWriter, encode_header, read_pack_header
 from infinijup.store.writer import PROBE_MIN
 
@@ -197,6 +197,16 @@ def test_checkout_of_many_runs_and_duplicates(tmp_path: Path, threads: int) -> N
     assert (tmp_path / "out" / "img").read_bytes() == data
 
 
+def one_file_store(tmp_path: Path, data: bytes, threads: int | None = None
+                   ) -> tuple[Repository, Commit]:
+    """A store of 1 MiB packs holding one commit of one file, ``img``."""
+    repo = Repository.init(tmp_path / "store", pack_size=1 << 20)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "img").write_bytes(data)
+    return repo, repo.commit_dir(src, thread="t", threads=threads)
+
+
 @pytest.mark.parametrize("threads", [1, 4])
 def test_checkout_looks_chunks_up_a_slice_at_a_time(tmp_path: Path, threads: int,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
@@ -204,13 +214,9 @@ def test_checkout_looks_chunks_up_a_slice_at_a_time(tmp_path: Path, threads: int
     that spans two slices is whole, and a chunk missing from a late slice, found after the
     first runs are written, still fails the checkout and leaves nothing at the target."""
     monkeypatch.setattr("infinijup.store.checkout.LOOKUP_SLICE", 3)
-    repo = Repository.init(tmp_path / "store", pack_size=1 << 20)
     part = random_bytes(400_000, seed=20) + structured(400_000, 21)
     data = part + bytes(1 << 20) + random_bytes(2 << 20, seed=22) + part
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "img").write_bytes(data)
-    c = repo.commit_dir(src, thread="t", threads=threads)
+    repo, c = one_file_store(tmp_path, data, threads)
     checkout_dir(repo, c.id, tmp_path / "out", threads=threads)
     assert (tmp_path / "out" / "img").read_bytes() == data
     _, chunks = repo.get_blob_chunks(repo.get_tree(c.tree)[0].id)
@@ -234,13 +240,10 @@ def test_large_files_are_written_by_worker_processes(tmp_path: Path,
     pools: list[int] = []
     real_workers = checkout.Workers
     monkeypatch.setattr(checkout, "Workers", lambda n: pools.append(n) or real_workers(n))
-    repo = Repository.init(tmp_path / "store", pack_size=1 << 20)
     part = random_bytes(500_000, seed=30) + structured(500_000, 31)
     data = part + bytes(1 << 20) + random_bytes(3 << 20, seed=32) + part
+    repo, first = one_file_store(tmp_path, data)
     src = tmp_path / "src"
-    src.mkdir()
-    (src / "img").write_bytes(data)
-    first = repo.commit_dir(src, thread="t")
     changed = bytearray(data)
     changed[4096 * 300 : 4096 * 300 + 8] = b"changed!"  # stored as a page delta
     (src / "img").write_bytes(changed)
@@ -276,11 +279,7 @@ def test_a_dead_checkout_worker_fails_the_checkout(tmp_path: Path,
 
     monkeypatch.setattr(checkout, "PROCESS_MIN", 1 << 20)
     data = random_bytes(3 << 20, seed=40)
-    repo = Repository.init(tmp_path / "store")
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "img").write_bytes(data)
-    commit = repo.commit_dir(src, thread="t")
+    repo, commit = one_file_store(tmp_path, data)
 
     def killed(n: int) -> Workers:
         workers = Workers(n)
