@@ -4,9 +4,9 @@ Builds a store holding one ``gpu-like`` image (bf16 weights and zero regions, as
 bench/store_bench.py writes it) of ``--gib`` GiB, then, for each thread count, with the page
 cache dropped ("cold") and not ("warm"): the file's chunk list and the index's lookups of its
 chunks alone, the whole ``checkout_dir`` into ``--target``, and the floor (every pack read
-once, 8 threads, 8 MiB reads), and the process's CPU seconds per wall second of the
-checkout (how many cores it kept busy; this process only, not the worker processes that
-write large files now). ``--baseline-dir DIR``: also the ``checkout_dir`` of
+once, 8 threads, 8 MiB reads), and the CPU seconds per wall second of the checkout (how
+many cores it kept busy: this process and the worker processes it waited for, which write
+files of 1 GiB or more on machines of 4 cores or more). ``--baseline-dir DIR``: also the ``checkout_dir`` of
 a copy of the store package at DIR (``git archive REF infinijup/store``), alternating with
 this tree's in each run. Needs root (drop_caches). Prints a markdown table.
 
@@ -42,6 +42,12 @@ GB = 1e9
 def drop_cache() -> None:
     subprocess.run(["sync"], check=True)
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def cpu_s() -> float:
+    """CPU seconds of this process and of its children waited for."""
+    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
 
 
 def read_packs(store: Path) -> tuple[int, float]:
@@ -114,14 +120,12 @@ def main() -> None:
                         if state == "cold":
                             drop_cache()
                         out = Path(tempfile.mkdtemp(prefix="ijco-", dir=args.target)) / "t"
-                        cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+                        cpu0 = cpu_s()
                         t0 = time.perf_counter()
                         checkout(repo, commit, out, threads=threads)
                         wall = time.perf_counter() - t0
-                        cpu1 = resource.getrusage(resource.RUSAGE_SELF)
                         g["checkout"].append(wall)
-                        g["cores"].append((cpu1.ru_utime - cpu0.ru_utime + cpu1.ru_stime
-                                           - cpu0.ru_stime) / wall)
+                        g["cores"].append((cpu_s() - cpu0) / wall)
                         shutil.rmtree(out.parent)
                         if state == "cold":
                             drop_cache()
