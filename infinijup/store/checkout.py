@@ -44,7 +44,7 @@ from .chunking import PAGE
 from .errors import CheckoutTargetNotEmpty, ChecksumMismatch, CorruptObject, ObjectMissing
 from .index import Location
 from .objects import CHUNK, Commit, TreeEntry, hash_bytes
-from .packs import DELTA, pack_path, pwritev_all
+from .packs import DELTA, pwritev_all
 from .reader import ObjectReader
 from .runs import RUN_MAX, Run, RunDecoder, verify
 from .thinned import refuse_thinned
@@ -101,13 +101,11 @@ class Materializer:
         # on 2 cores the GIL is not what limits threads, and processes cost their start
         self.processes = threads or (min(cores, MAX_PROCESSES) if cores >= 4 else 1)
         self._pool = ThreadPoolExecutor(n, thread_name_prefix="ijcheckout") if n > 1 else None
-        self._fds: dict[str, int] = {}
-        self._fds_lock = threading.Lock()
         self._decoder = RunDecoder()
         self._local = threading.local()
         self._key = repo.key
         self._zero_ids = _zero_chunk_ids(repo.chunker.max_size, self._key)
-        self._reader = ObjectReader(repo)  # delta chunks' sources
+        self._reader = ObjectReader(repo)  # the packs' descriptors; delta chunks' sources
 
     def __enter__(self) -> Materializer:
         return self
@@ -120,9 +118,6 @@ class Materializer:
         """Stop the workers and close pack files."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
         self._reader.close()
 
     def tree(self, tree_id: str, dest: Path) -> None:
@@ -174,7 +169,7 @@ class Materializer:
             # the disk starts reading each job's runs as it is queued (up to two jobs per
             # worker ahead), not when a worker gets to them
             for pack, start, stored, _at, _items in batch:
-                os.posix_fadvise(self._pack_fd(pack), start, stored, os.POSIX_FADV_WILLNEED)
+                os.posix_fadvise(self._reader.pack_fd(pack), start, stored, os.POSIX_FADV_WILLNEED)
             plain = [run for run in batch if run[4][0][3] != DELTA]
             deltas = [run for run in batch if run[4][0][3] == DELTA]
             return ([procs.submit(packs, str(path), plain)] if plain else []) \
@@ -254,7 +249,7 @@ class Materializer:
         deltas: list[tuple[bytes, Location, bytes, int]] = []
         dec = self._decoder
         for pack, start, stored, file_offset, items in runs:
-            buf = dec.read(self._pack_fd(pack), pack, start, stored, items)
+            buf = dec.read(self._reader.pack_fd(pack), pack, start, stored, items)
             if self._key is not None:  # open every chunk; then decode the payloads as a run
                 buf, items = self._open_run(buf, pack, items)
             if items[0][3] == DELTA:
@@ -316,18 +311,6 @@ class Materializer:
         except CorruptObject as exc:
             raise ChecksumMismatch(f"{exc} (in pack {pack})") from None
         return out[:at], opened
-
-    def _pack_fd(self, pack: str) -> int:
-        with self._fds_lock:
-            fd = self._fds.get(pack)
-            if fd is None:
-                try:
-                    fd = os.open(pack_path(self.repo.packs_dir, pack), os.O_RDONLY | os.O_CLOEXEC)
-                except FileNotFoundError:
-                    raise ObjectMissing(f"pack {pack} is missing") from None
-                self._fds[pack] = fd
-            return fd
-
 
 def _zero_chunk_ids(max_size: int, key: Any = None) -> dict[int, bytes]:
     """BLAKE3 ids (keyed, with an encrypted store's ``key``) of all-zero chunks of each

@@ -24,8 +24,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
-from .errors import ObjectMissing, StoreError
-from .packs import pack_path
+from .errors import StoreError
+from .packs import PackFiles
 from .runs import Run, RunDecoder, write_plain_runs
 
 _LEN = struct.Struct("<Q")
@@ -45,6 +45,7 @@ class Workers:
 
     def __init__(self, n: int) -> None:
         argv = [sys.executable, "-c", _BOOT, json.dumps(sys.path)]
+        self._threads = ThreadPoolExecutor(n, thread_name_prefix="ijcheckout-proc")
         self._idle: queue.SimpleQueue[subprocess.Popen[bytes]] = queue.SimpleQueue()
         self._procs: list[subprocess.Popen[bytes]] = []
         try:
@@ -56,7 +57,6 @@ class Workers:
         except BaseException:
             self.close()
             raise
-        self._threads = ThreadPoolExecutor(n, thread_name_prefix="ijcheckout-proc")
 
     def submit(self, packs_dir: str, path: str, runs: list[Run]) -> Future[None]:
         return self._threads.submit(self._run, pickle.dumps((packs_dir, path, runs)))
@@ -79,8 +79,7 @@ class Workers:
 
     def close(self) -> None:
         """End the workers (their stdin closes) and wait for them."""
-        if hasattr(self, "_threads"):
-            self._threads.shutdown(wait=True)
+        self._threads.shutdown(wait=True)
         for proc in self._procs:
             if proc.stdin is not None:
                 try:
@@ -107,28 +106,18 @@ def _read_exact(f: IO[bytes], n: int) -> bytes:
 def _serve(inp: IO[bytes], out: IO[bytes]) -> None:
     """A worker's loop: jobs in, answers out, until its input closes."""
     dec = RunDecoder()
-    packs: dict[str, int] = {}
+    packs: PackFiles | None = None  # one store per worker
     while True:
         head = inp.read(_LEN.size)
         if not head:
             return
         packs_dir, path, runs = pickle.loads(_read_exact(inp, _LEN.unpack(head)[0]))
-
-        def pack_fd(pack: str, packs_dir: str = packs_dir) -> int:
-            fd = packs.get(pack)
-            if fd is None:
-                try:
-                    fd = os.open(pack_path(Path(packs_dir), pack), os.O_RDONLY | os.O_CLOEXEC)
-                except FileNotFoundError:
-                    raise ObjectMissing(f"pack {pack} is missing") from None
-                packs[pack] = fd
-            return fd
-
+        packs = packs or PackFiles(Path(packs_dir))
         answer: Any = None
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
             try:
-                write_plain_runs(dec, fd, runs, pack_fd)
+                write_plain_runs(dec, fd, runs, packs.fd)
             finally:
                 os.close(fd)
         except Exception as exc:  # noqa: BLE001 - sent to the caller, who raises it

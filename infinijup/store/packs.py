@@ -345,3 +345,31 @@ _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 102
 def pack_path(packs_dir: Path, pack_id: str) -> Path:
     """Where the pack named ``pack_id`` lives."""
     return packs_dir / pack_id[:2] / pack_id
+
+
+class PackFiles:
+    """Read-only descriptors of a store's packs, each opened on first use and kept until
+    ``close`` (thread-safe)."""
+
+    def __init__(self, packs_dir: Path) -> None:
+        self.packs_dir = packs_dir
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def fd(self, pack: str) -> int:
+        """An open descriptor of pack ``pack`` (ObjectMissing if there is no such file)."""
+        with self._lock:
+            fd = self._fds.get(pack)
+            if fd is None:
+                try:
+                    fd = os.open(pack_path(self.packs_dir, pack), os.O_RDONLY | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    raise ObjectMissing(f"pack {pack} is missing") from None
+                self._fds[pack] = fd
+            return fd
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()

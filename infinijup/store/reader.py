@@ -24,7 +24,7 @@ from . import delta
 from .errors import ChecksumMismatch, CorruptObject, ObjectMissing
 from .index import Location
 from .objects import hash_bytes
-from .packs import DELTA, decode_payload, decompress_payload, pack_path
+from .packs import DELTA, PackFiles, decode_payload, decompress_payload
 
 if TYPE_CHECKING:
     from .repo_view import RepoView
@@ -39,8 +39,7 @@ class ObjectReader:
 
     def __init__(self, repo: RepoView) -> None:
         self.repo = repo
-        self._fds: dict[str, int] = {}
-        self._lock = threading.Lock()
+        self._packs = PackFiles(repo.packs_dir)
         self._local = threading.local()
 
     def __enter__(self) -> ObjectReader:
@@ -52,23 +51,11 @@ class ObjectReader:
 
     def close(self) -> None:
         """Close the pack files."""
-        with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
+        self._packs.close()
 
     def pack_fd(self, pack: str) -> int:
         """An open descriptor of pack ``pack`` (kept until close)."""
-        with self._lock:
-            fd = self._fds.get(pack)
-            if fd is None:
-                try:
-                    fd = os.open(pack_path(self.repo.packs_dir, pack),
-                                 os.O_RDONLY | os.O_CLOEXEC)
-                except FileNotFoundError:
-                    raise ObjectMissing(f"pack {pack} is missing") from None
-                self._fds[pack] = fd
-            return fd
+        return self._packs.fd(pack)
 
     def dctx(self) -> zstandard.ZstdDecompressor:
         """This thread's zstd decompression context."""
