@@ -16,21 +16,19 @@ this tree's in each run. Needs root (drop_caches). Prints a markdown table.
 from __future__ import annotations
 
 import argparse
+import importlib
+import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import importlib  # noqa: E402
-import resource  # noqa: E402
-
+from benchkit import drop_page_cache, read_packs  # noqa: E402
 from store_bench import other_image  # noqa: E402
 
 from infinijup.store import Repository  # noqa: E402
@@ -39,29 +37,10 @@ from infinijup.store.checkout import checkout_dir  # noqa: E402
 GB = 1e9
 
 
-def drop_cache() -> None:
-    subprocess.run(["sync"], check=True)
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
-
-
 def cpu_s() -> float:
     """CPU seconds of this process and of its children waited for."""
     return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
-
-
-def read_packs(store: Path) -> tuple[int, float]:
-    packs = [p for p in (store / "packs").rglob("*") if p.is_file()]
-
-    def read(path: Path) -> None:
-        with open(path, "rb", buffering=0) as f:
-            while f.read(8 << 20):
-                pass
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(8) as pool:
-        list(pool.map(read, packs))
-    return sum(p.stat().st_size for p in packs), time.perf_counter() - t0
 
 
 def lookups(repo: Repository, commit: str) -> tuple[float, float, int]:
@@ -113,12 +92,12 @@ def main() -> None:
                     for version, checkout in versions.items():
                         g = got[version]
                         if state == "cold":
-                            drop_cache()
+                            drop_page_cache()
                         c, lk, n = lookups(repo, commit)
                         g["chunks"].append(c)
                         g["lookup"].append(lk)
                         if state == "cold":
-                            drop_cache()
+                            drop_page_cache()
                         out = Path(tempfile.mkdtemp(prefix="ijco-", dir=args.target)) / "t"
                         cpu0 = cpu_s()
                         t0 = time.perf_counter()
@@ -128,7 +107,7 @@ def main() -> None:
                         g["cores"].append((cpu_s() - cpu0) / wall)
                         shutil.rmtree(out.parent)
                         if state == "cold":
-                            drop_cache()
+                            drop_page_cache()
                         packs, floor_s = read_packs(store)
                         g["floor"].append(floor_s)
                 for version in versions:

@@ -41,11 +41,13 @@ from pathlib import Path
 from benchkit import (
     CRIU,
     GB,
+    drop_page_cache,
     execute,
     first_answer,
     kernel_root,
     make_base,
     markdown_table,
+    read_packs,
     start_helper,
     start_server,
     transposed_table,
@@ -292,34 +294,13 @@ def restore_timed(server, kernel, kernel_id: str, commit: str, expect: str) -> d
     return {"s": took, "phases": body.get("phases", {})}
 
 
-def drop_page_cache() -> bool:
-    try:
-        subprocess.run(["sync"], check=True)
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def packs_read_floor(store: Path) -> tuple[float, float]:
     """The floor of a cold restore's reads: every pack file of the store read once, page
-    cache dropped first, on 8 threads in 8 MiB reads (GB, GB/s)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    packs = [p for p in (store / "packs").rglob("*") if p.is_file()]
-    total = sum(p.stat().st_size for p in packs)
-
-    def read(path: Path) -> None:
-        with open(path, "rb", buffering=0) as f:
-            while f.read(8 << 20):
-                pass
-
+    cache dropped first (GB, GB/s)."""
     if not drop_page_cache():
-        return total / GB, float("nan")
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(8) as pool:
-        list(pool.map(read, packs))
-    return total / GB, total / GB / (time.perf_counter() - t0)
+        return 0.0, float("nan")
+    nbytes, seconds = read_packs(store)
+    return nbytes / GB, nbytes / GB / seconds
 
 
 def llama_row(name: str, work: str, hot_tier_bytes: int | None, shm: Path,
