@@ -6,7 +6,9 @@ data, reshape it, summarize it, fit a small model by gradient steps, plot-like s
 quick cells between. It runs per working set on a server with automatic snapshots off, then
 on one with them on for each ``--ingest-nice`` (the store's ingest that many nice levels below
 the server; the defaults: 5% share, always after ``--after-s`` 60 s), the same helper, a fresh
-store each; ``--rounds`` N runs them N times in turn and takes each cell's median. Printed per
+store each; ``--work disk hugetmpfs`` runs "on" once with the helper's work dir (CRIU's images,
+the hot tier) on the disk and once on a tmpfs with 2 MiB pages (a helper of its own each);
+``--rounds`` N runs them N times in turn and takes each cell's median. Printed per
 run: each cell's time, and each automatic snapshot's image, stored bytes and timings (the
 helper's dump and publish). Then the notebook's total time both ways and the overhead; the
 cells after the last snapshot (they run while the store takes its images in); the worst cell (its
@@ -17,7 +19,7 @@ followed (that cell's time on minus off: the whole wait, not only the frozen tim
 the same snapshot to the first answered cell (medians of ``--repeat``).
 
     python bench/autosnap_bench.py [--mib 100 1024] [--repeat 3] [--fit-s 20] [--after-s 60]
-                                   [--ingest-nice 0 10] [--rounds 3]
+                                   [--ingest-nice 0 10] [--rounds 3] [--work disk hugetmpfs]
 
 ``--session N`` runs instead a session of N quick cells (small changes, a new 1 MiB array every
 tenth cell, a cell that only prints every fifth) with a snapshot after every cell that changed
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -53,7 +56,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests" / "helper"), str(ROOT / "tests" / "reliability"),
                 str(ROOT / "bench")]
-from benchkit import helper_in_base, markdown_table  # noqa: E402
+from benchkit import HelperDaemon, helper_in_base, huge_tmpfs, markdown_table  # noqa: E402
 from reliakit import ServerProcess  # noqa: E402
 from wake_bench import run_cell  # noqa: E402
 
@@ -158,21 +161,33 @@ async def main_async(args) -> None:
     rows = []
     # off, then on once per ingest priority asked for, side by side: ``--rounds`` times in
     # turn, each cell's median over the rounds
-    variants = [(False, 0)] + [(True, nice) for nice in args.ingest_nice]
-    with helper_in_base() as (base, helper):
+    # ``--work``: the helper's work dir (CRIU's images, the hot tier) on the disk, or on a
+    # tmpfs with 2 MiB pages (a helper of its own)
+    variants = [(False, 0, "disk")] + [(True, nice, work) for work in args.work
+                                       for nice in args.ingest_nice]
+    with helper_in_base() as (base, disk_helper), contextlib.ExitStack() as stack:
+        helpers = {"disk": disk_helper}
+        if "hugetmpfs" in args.work:
+            (base / "huge-helper").mkdir()
+            huge = HelperDaemon(base / "huge-helper")
+            huge.work_dir = stack.enter_context(huge_tmpfs())
+            huge.start()
+            stack.callback(huge.stop)
+            helpers["hugetmpfs"] = huge
         for mib in args.mib:
             cells = notebook(mib, args.fit_s)
             runs: list[list[tuple[list[float], dict]]] = [[] for _ in variants]
             for r in range(args.rounds):
-                for n, (on, nice) in enumerate(variants):
-                    server = ServerProcess(base / f"server-{mib}-{r}-{n}", helper.socket_path,
+                for n, (on, nice, work) in enumerate(variants):
+                    server = ServerProcess(base / f"server-{mib}-{r}-{n}",
+                                           helpers[work].socket_path,
                                            str(base / f"store-{n}"), base / "notebooks",
                                            manager_config={"autosnapshot": on,
                                                            "autosnapshot_after_s": args.after_s,
                                                            "autosnapshot_ingest_nice": nice})
                     server.start()
                     try:
-                        what = f"on, ingest nice +{nice}" if on else "off"
+                        what = f"on, ingest nice +{nice}, work dir {work}" if on else "off"
                         print(f"{mib} MiB, round {r + 1}, snapshots {what} "
                               f"(load {os.getloadavg()[0]:.1f})", flush=True)
                         # undo against restore: in the last round only
@@ -185,12 +200,13 @@ async def main_async(args) -> None:
                     print("  cells: " + " ".join(f"{t:.2f}" for t in runs[n][-1][0]),
                           flush=True)
             off = medians([times for times, _ in runs[0]])
-            for n, (_, nice) in enumerate(variants[1:], start=1):
+            for n, (_, nice, work) in enumerate(variants[1:], start=1):
                 on_times = medians([times for times, _ in runs[n]])
                 extra = {**runs[n][-1][1], "rounds": args.rounds}
-                rows.append(row_of(mib, cells, off, on_times, extra, nice))
+                rows.append({**row_of(mib, cells, off, on_times, extra, nice), "work": work})
                 print(rows[-1], flush=True)
-    print(markdown_table(rows, [("set", "working set"), ("nice", "ingest nice"),
+    print(markdown_table(rows, [("set", "working set"), ("work", "work dir"),
+                                ("nice", "ingest nice"),
                                 ("cells", "cells"),
                                 ("off", "notebook, snapshots off"), ("on", "on"),
                                 ("overhead", "overhead"),
@@ -390,6 +406,8 @@ def main() -> None:
                    help="autosnapshot_after_s: a cell this long is always snapshotted")
     p.add_argument("--ingest-nice", type=int, nargs="+", default=[10],
                    help="autosnapshot_ingest_nice: one run with snapshots on for each")
+    p.add_argument("--work", nargs="+", default=["disk"], choices=["disk", "hugetmpfs"],
+                   help="the helper's work dir: one run with snapshots on for each")
     p.add_argument("--rounds", type=int, default=1,
                    help="run off and each 'on' this many times in turn; each cell's median")
     p.add_argument("--session", type=int, default=0,

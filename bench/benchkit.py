@@ -72,6 +72,20 @@ def start_helper(work_dir: str | None = None) -> HelperDaemon:
 
 
 @contextlib.contextmanager
+def huge_tmpfs(size: str = "50%") -> Iterator[str]:
+    """A tmpfs of its own mounted with 2 MiB pages (``huge=within_size``), as an admin could
+    mount for the helper's work dir; unmounted and removed afterwards (root only)."""
+    path = tempfile.mkdtemp(prefix="ijbench-work-")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"huge=within_size,size={size}", "tmpfs",
+                    path], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", path], check=False)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
 def helper_in_base(extra_args: tuple[str, ...] = ()) -> Iterator[tuple[Path, HelperDaemon]]:
     """A temp base with a helper daemon in ``<base>/helper``, both gone afterwards: for
     benchmarks that start servers of their own beside it (``reliakit.ServerProcess``)."""

@@ -28,6 +28,7 @@ requirements (CRIU, pycriu) in place:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -44,6 +45,7 @@ from benchkit import (
     drop_page_cache,
     execute,
     first_answer,
+    huge_tmpfs,
     kernel_root,
     make_base,
     markdown_table,
@@ -314,10 +316,9 @@ def llama_row(name: str, work: str, hot_tier_bytes: int | None, shm: Path,
         os.environ.pop("INFINIJUP_GPU_ARENA_ROOT", None)
     work_dir = tempfile.mkdtemp(prefix="ijbench-work-", dir="/dev/shm") if work == "tmpfs" \
         else None
+    mounts = contextlib.ExitStack()
     if work == "hugetmpfs":  # a tmpfs of its own with huge pages, as an admin could mount
-        work_dir = tempfile.mkdtemp(prefix="ijbench-work-")
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "huge=within_size,size=50%", "tmpfs",
-                        work_dir], check=True)
+        work_dir = mounts.enter_context(huge_tmpfs())
     daemon = start_helper(work_dir)
     base = make_base()
     store = tempfile.mkdtemp(prefix="ijbench-store-", dir="/var/tmp")
@@ -453,8 +454,7 @@ def llama_row(name: str, work: str, hot_tier_bytes: int | None, shm: Path,
             kernel.close()
         server.stop()
         daemon.stop()
-        if work == "hugetmpfs":
-            subprocess.run(["umount", "-l", work_dir], check=False)
+        mounts.close()
         for path in (store, base, work_dir):
             if path:
                 shutil.rmtree(path, ignore_errors=True)
