@@ -16,7 +16,11 @@ time with snapshots on minus off, over its time off: on a busy machine, mostly t
 quick cells); how many cells were snapshotted, and the largest share a snapshot held the cell it
 followed (that cell's time on minus off: the whole wait, not only the frozen time). Then, on the
 "on" kernel: undo to the first answered cell against a restore of
-the same snapshot to the first answered cell (medians of ``--repeat``).
+the same snapshot to the first answered cell, ``--repeat`` times. The first undo finds the
+kernel changed since its last snapshot (the quick cells after it), so it saves that state
+before it goes back (as a user's undo after a few quick cells does): it is reported alone. The
+later ones find the kernel unchanged: their median. ``INFINIJUP_BENCH_VERBOSE=1`` prints each
+undo's and restore's phases (the save, the checkout, CRIU's restore, the first answer).
 
     python bench/autosnap_bench.py [--mib 100 1024] [--repeat 3] [--fit-s 20] [--after-s 60]
                                    [--ingest-nice 0 10] [--rounds 3] [--work disk hugetmpfs]
@@ -109,22 +113,44 @@ def timed_post(server: ServerProcess, route: str, body: dict) -> dict:
     return json.loads(out) if isinstance(out, (str, bytes)) else out
 
 
-async def undo_against_restore(server, kernel_id, ws, repeat: int) -> tuple[float, float]:
-    undo_s, restore_s = [], []
+async def undo_against_restore(server, kernel_id, ws, repeat: int) -> dict:
+    """Undo to the first answered cell, against a restore of the same snapshot, ``repeat``
+    times. The first undo finds the kernel changed since its last snapshot (the cells after
+    it were too quick to snapshot), so it saves that state first; the later ones find it
+    unchanged (it stands on what the restore before brought back): their median apart."""
+    undo_s, restore_s, saved = [], [], []
     for _ in range(repeat):
         t0 = time.perf_counter()
         moved = timed_post(server, "undo", {"kernel_id": kernel_id})
         await run_cell(ws, "1")
         undo_s.append(time.perf_counter() - t0)
-        timed_post(server, "redo", {"kernel_id": kernel_id})
+        saved.append(bool(moved.get("saved")))
+        verbose("undo", moved)
+        verbose("redo", timed_post(server, "redo", {"kernel_id": kernel_id}))
         await run_cell(ws, "1")
         t0 = time.perf_counter()
-        timed_post(server, "restore", {"kernel_id": kernel_id, "commit": moved["commit"]})
+        back = timed_post(server, "restore", {"kernel_id": kernel_id, "commit": moved["commit"]})
         await run_cell(ws, "1")
         restore_s.append(time.perf_counter() - t0)
+        verbose("restore", back)
         timed_post(server, "restore", {"kernel_id": kernel_id, "commit": moved["from"]})
         await run_cell(ws, "1")
-    return statistics.median(undo_s), statistics.median(restore_s)
+    out = {"restore": statistics.median(restore_s)}
+    if saved and saved[0]:
+        out["undo_saved"] = undo_s[0]
+    rest = [t for t, s in zip(undo_s, saved, strict=True) if not s]
+    if rest:
+        out["undo"] = statistics.median(rest)
+    return out
+
+
+def verbose(what: str, answer: dict) -> None:
+    """With ``INFINIJUP_BENCH_VERBOSE``: where an undo's or restore's time went."""
+    if os.environ.get("INFINIJUP_BENCH_VERBOSE"):
+        phases = {k: round(v, 2) for k, v in (answer.get("phases") or {}).items()
+                  if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        print(f"  {what}: {answer.get('duration_s', 0):.2f} s, saved "
+              f"{answer.get('saved', '-')}, {phases}", flush=True)
 
 
 async def one_run(server: ServerProcess, cells: list[str], on: bool, repeat: int
@@ -150,8 +176,7 @@ async def one_run(server: ServerProcess, cells: list[str], on: bool, repeat: int
                           .get("execution_count"), int)
             and 2 <= count <= len(times) + 1]
         if autos and repeat > 0:
-            extra["undo"], extra["restore"] = await undo_against_restore(
-                server, kernel_id, ws, repeat)
+            extra.update(await undo_against_restore(server, kernel_id, ws, repeat))
     ws.close()
     server.request("DELETE", f"/api/kernels/{kernel_id}")
     return times, extra
@@ -214,7 +239,9 @@ async def main_async(args) -> None:
                                 ("snapshotted", "cells snapshotted"),
                                 ("pause", "largest hold / its cell"),
                                 ("after", "cells after the last snapshot, on vs off"),
-                                ("undo", "undo to first cell"),
+                                ("undo_saved", "undo to first cell, changed kernel "
+                                               "(saved first)"),
+                                ("undo", "undo, unchanged kernel"),
                                 ("restore", "restore of the same, to first cell")]))
 
 
@@ -239,6 +266,7 @@ def row_of(mib: int, cells: list[str], off: list[float], on_times: list[float], 
             "pause": f"{max(held) * 100:.1f}%" if held else "-",
             "snapshotted": str(extra.get("snapshotted", 0)),
             "after": f"{after_on:.2f} vs {after_off:.2f} s" if last + 1 < len(cells) else "-",
+            "undo_saved": f"{extra['undo_saved']:.2f} s" if "undo_saved" in extra else "-",
             "undo": f"{extra['undo']:.2f} s" if "undo" in extra else "-",
             "restore": f"{extra['restore']:.2f} s" if "restore" in extra else "-"}
 

@@ -49,7 +49,8 @@ async def snapshot(m, kernel_id: str, *, message: str = "", thread: str | None =
                    from_kernel: bool = False, execution_count: int | None = None,
                    described: dict | None = None, request_id: str | None = None,
                    within: Turn | None = None, aside: str | None = None,
-                   skip_unchanged: bool = False, auto: bool = False) -> dict:
+                   skip_unchanged: bool = False, auto: bool = False,
+                   background: bool | None = None) -> dict:
     """Snapshot a kernel (``m`` is the SnapshotManager). ``within``: the turn of a larger move
     this snapshot is part of (a hibernation), which keeps the kernel's lifecycle state.
 
@@ -60,7 +61,9 @@ async def snapshot(m, kernel_id: str, *, message: str = "", thread: str | None =
 
     ``skip_unchanged``: a kernel unchanged since its head is not dumped at all: it runs on, and
     the answer is ``{"unchanged": true, "commit": <its head>}`` (undo.py asks so). ``auto``:
-    the commit is marked automatic (issue 30)."""
+    the commit is marked automatic (issue 30). ``background``: nobody waits for the commit, so
+    the store takes the images in niced (engine.snapshot); default: an automatic snapshot is
+    (undo.py's save of the state it leaves is not: the user waits for it)."""
     km = m.kernel(kernel_id)
     prov = m.provisioner(km)
     if m.lifecycle.state(kernel_id) == HIBERNATED:
@@ -79,6 +82,7 @@ async def snapshot(m, kernel_id: str, *, message: str = "", thread: str | None =
                       execution_count=execution_count, described=described,
                       request_id=request_id, aside=aside)
     run.skip_unchanged, run.auto = skip_unchanged, auto
+    run.background = background
     try:
         return await run.run()
     except InfinijupError as exc:
@@ -105,6 +109,7 @@ class SnapshotRun:
         self.skip_unchanged = False  # see snapshot()
         self.unchanged = False
         self.auto = False
+        self.background: bool | None = None  # see snapshot()
         self.plan = None
         self.resumed = False  # the kernel's resume hooks have run
         self.running_again_s: float | None = None
@@ -145,7 +150,8 @@ class SnapshotRun:
             storing = asyncio.ensure_future(asyncio.to_thread(
                 m.engine().snapshot, self.prov.root_pid, message=self.message,
                 on_progress=self.progress(gpu), replan=self.replan, extra_files=extra,
-                on_dumped=on_dumped, background=self.is_auto(), **target))
+                on_dumped=on_dumped, background=self.is_auto() if self.background is None
+                else self.background, **target))
             await asyncio.wait({dumped_at, storing}, return_when=asyncio.FIRST_COMPLETED)
             if dumped_at.done():  # the kernel runs again while its images are stored
                 await step("runs_again", self.runs_again(*dumped_at.result()))

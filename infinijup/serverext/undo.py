@@ -126,8 +126,12 @@ class UndoRedo:
         m = self.m
         km = m.kernel(kernel_id)
         await m.wait_idle(km)
+        t0 = time.perf_counter()
+        # the user waits for it: stored at the server's priority, not niced as a background
+        # automatic snapshot is
         saved = await snapshot_flow.snapshot(m, kernel_id, message=f"before {what}",
-                                             skip_unchanged=True, auto=True)
+                                             skip_unchanged=True, auto=True, background=False)
+        save_s = time.perf_counter() - t0
         here = saved["commit"]  # the state being left: HEAD, or the snapshot just taken
         repo = m.repo()
         redo = await self._load(kernel_id)
@@ -160,7 +164,8 @@ class UndoRedo:
             redo.pop()
         self._save(kernel_id)
         says = describe_move(what, _cell(repo, here), _cell(repo, target))
-        return {**result, "from": here, "saved": not saved.get("unchanged"), "says": says}
+        return {**result, "phases": {**result.get("phases", {}), "save_s": save_s},
+                "from": here, "saved": not saved.get("unchanged"), "says": says}
 
 
 def _cell(repo, commit_id: str) -> tuple[int | None, str]:  # noqa: ANN001
