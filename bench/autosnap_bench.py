@@ -149,8 +149,10 @@ def verbose(what: str, answer: dict) -> None:
     if os.environ.get("INFINIJUP_BENCH_VERBOSE"):
         phases = {k: round(v, 2) for k, v in (answer.get("phases") or {}).items()
                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        why = (answer.get("phases") or {}).get("whole_why")  # a restore that was not lazy
         print(f"  {what}: {answer.get('duration_s', 0):.2f} s, saved "
-              f"{answer.get('saved', '-')}, {phases}", flush=True)
+              f"{answer.get('saved', '-')}, {phases}" + (f", whole: {why}" if why else ""),
+              flush=True)
 
 
 async def one_run(server: ServerProcess, cells: list[str], on: bool, repeat: int

@@ -33,6 +33,7 @@ from .criu import (
     private_page_files,
     tree_tasks,
 )
+from .cuda_stage import GPU_RESTORED_WHOLE, images_map_cuda
 from .lazy_pages import PageStream, processes_to_serve
 from .page_source import PageSource
 from .paths import Staging, WorkDirs
@@ -352,6 +353,7 @@ class RestoreJob:
     retarget: RetargetPlan = field(default_factory=RetargetPlan)  # see retarget.py
     retargeted: dict = field(default_factory=dict)
     lazy: bool = False  # leave private memory to a page daemon (lazy_pages.py)
+    whole_why: str | None = None  # asked for lazy, restored whole: why
     stream: PageStream | None = None
     source: PageSource | None = None  # the page files come from the caller (page_source.py)
 
@@ -471,6 +473,8 @@ class StageImages(StageBase):
             finally:
                 os.close(fd)
             job.staged.append(name)
+        if job.lazy and images_map_cuda(self.criu, job.staging.fd):
+            job.lazy, job.whole_why = False, GPU_RESTORED_WHOLE
         if job.source is not None:
             job.staged_bytes += job.source.fill(self.criu, job.staging.fd, job.caller,
                                                 everything=not job.lazy)

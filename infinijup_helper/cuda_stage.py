@@ -17,6 +17,7 @@ from typing import Any
 from . import cuda_driver as driver
 from .cuda_preflight import check, read_nvml
 from .proc import read_proc, tree_members
+from .retarget import FILES_IMAGE
 from .stages import StageBase
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,19 @@ def _uses_nvidia(pid: int) -> bool:
             return any("libcuda.so" in line for line in f)
     except OSError:
         return False
+
+
+GPU_RESTORED_WHOLE = ("a GPU kernel's memory goes back onto the GPU at once (restored "
+                      "whole)")
+
+
+def images_map_cuda(criu: Any, dir_fd: int) -> bool:
+    """Do the dumped processes map the CUDA driver? (then their restore is whole: the
+    driver's restore reads every page it saved into the process at once)"""
+    for entry in criu.messages(dir_fd, FILES_IMAGE, "FILES", "file_entry"):
+        if entry.HasField("reg") and os.path.basename(entry.reg.name).startswith("libcuda.so"):
+            return True
+    return False
 
 
 def cuda_pids(root: int, owner: int | None = None) -> list[int]:

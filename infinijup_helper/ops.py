@@ -361,6 +361,7 @@ class Operations:
                                       log_path=log_path),
                 cgroup_procs=caller_cgroup_procs(caller, self.cgroup_mount),
                 lazy=args.lazy and not self._whole_why(run_as),
+                whole_why=self._whole_why(run_as) if args.lazy else None,
             )
             if args.page_source is not None:
                 job.source = PageSource(images_fd, args.page_source, caller)
@@ -379,12 +380,11 @@ class Operations:
         return {"pid": job.pid, "duration_s": round(time.monotonic() - start, 6), "phases": phases,
                 "gpu": _gpu_summary(stages), "retargeted": job.retargeted,
                 "pages": self.streams[job.pid].report() if job.stream is not None else None,
-                "whole_why": self._whole_why(run_as) if args.lazy else None}
+                "whole_why": job.whole_why}
 
     def _whole_why(self, run_as: RunAs | None) -> str | None:
-        """Why a lazy restore is made whole instead (None: it can be lazy)."""
-        if self.features.cuda:
-            return "a GPU kernel's memory goes back onto the GPU at once (restored whole)"
+        """Why this caller's lazy restores are made whole instead (None: they can be lazy;
+        images whose processes map the CUDA driver are restored whole too: StageImages)."""
         if run_as is not None:
             # CRIU 4.2's unprivileged mode never opens a userfaultfd (kerndat_uffd skips it),
             # though the capabilities CRIU runs with here (CAP_SYS_PTRACE) would allow it

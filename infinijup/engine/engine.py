@@ -421,7 +421,9 @@ class SnapshotEngine:
 
     def _pages_from_store(self, commit_id: str) -> bool:
         """Restores leave large page files in the store where the helper restores lazily
-        (store_pages.py)."""
+        (store_pages.py); not a GPU kernel's, which the helper restores whole."""
+        if (self.repo.get_commit(commit_id).metadata or {}).get("gpu"):
+            return False
         if not self.lazy_restore or not pages_worth_serving(
                 self.repo, commit_id, self.pages_from_store_min_bytes):
             return False

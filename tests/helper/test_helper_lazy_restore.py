@@ -382,3 +382,23 @@ def test_a_second_account_asking_for_lazy_gets_a_whole_restore_and_why(
     _wait(lambda: os.path.exists(digest + ".again"), "the digest after the restore")
     assert Path(digest + ".again").read_text() == Path(digest).read_text()
     as_user(other_account, lambda: client.kill(pid))
+
+
+def test_a_kernel_that_maps_the_cuda_driver_is_restored_whole_and_says_why(
+        client, kernel: Kernel, trees, tmp_path) -> None:
+    """Whether a restore can be lazy is decided by the images, not the machine: a kernel
+    that maps the CUDA driver (here a stand-in file of that name: this machine has none) comes
+    back whole, saying why; one that does not is lazy (the tests above), on a GPU host too."""
+    driver = tmp_path / "libcuda.so.1"
+    driver.write_bytes(b"\x7fELF" + bytes(8188))
+    kernel.execute(f"import mmap\ncuda_file = open({str(driver)!r}, 'rb')\n"
+                   "cuda_map = mmap.mmap(cuda_file.fileno(), 8192, prot=mmap.PROT_READ)")
+    images = _dump(client, kernel)
+    restored = client.restore(images, replace_pid=kernel.pid, lazy=True)
+    trees.add(restored.pid)
+    assert restored.pages is None
+    assert "GPU" in (restored.whole_why or "")
+    kernel.wait_answering(timeout=60)
+    assert kernel.evaluate(ok=CHECK, head="bytes(blob[:8]) != b'changed!'",
+                           mapped="cuda_map[:4] == b'\\x7fELF'") == {
+        "ok": "True", "head": "True", "mapped": "True"}
