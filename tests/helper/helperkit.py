@@ -206,12 +206,15 @@ def trees() -> Iterator[Trees]:
 
 
 def kernel_env() -> dict[str, str]:
-    return {
+    env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": os.environ.get("HOME", "/root"),
         "LANG": "C.UTF-8",
         "PYTHONUNBUFFERED": "1",
     }
+    if os.environ.get("PYTHONPATH"):  # where ipykernel is installed beside the system's Python
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]  # (the GPU machine: .carry/setup.sh)
+    return env
 
 
 @dataclass
