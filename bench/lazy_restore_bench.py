@@ -15,6 +15,8 @@ served by the server's serving process (engine/store_pages.py) through the helpe
 source (infinijup_helper/page_source.py), as a wake from the store serves them. Its time to
 the first answer includes the serving process's start (it is started per restore).
 With ``--store`` the kernel's bytes are all distinct (a repeated MiB would be one chunk).
+``INFINIJUP_BENCH_VERBOSE=1`` prints each restore's helper phases (stage, files, kill of the
+replaced kernel, CRIU's restore) and the wait for the answer after them.
 """
 
 from __future__ import annotations
@@ -111,8 +113,13 @@ def _one(client, kernel, images: str, mode: str, store: _FromStore | None) -> di
 
 def _after_restore(client, kernel, restored, start: float, lazy: bool) -> dict:  # noqa: ANN001
     kernel.pid = restored.pid
+    helper_s = time.monotonic() - start
     _first_reply(kernel)
     row = {"answer": time.monotonic() - start, "resident": None}
+    if os.environ.get("INFINIJUP_BENCH_VERBOSE"):  # the helper's phases, then the answer
+        print(f"  lazy={lazy} helper {helper_s:.3f} s "
+              f"{ {k: round(v, 3) for k, v in restored.phases.items()} } "
+              f"answer {row['answer'] - helper_s:.3f} s", flush=True)
     kernel.wait_answering(timeout=600)  # iopub too, before the next cell (not timed)
     row["touch"] = _touch_all_s(kernel)  # right after the answer: while pages still stream
     if lazy:
