@@ -312,6 +312,7 @@ class Materializer:
             raise ChecksumMismatch(f"{exc} (in pack {pack})") from None
         return out[:at], opened
 
+
 def _zero_chunk_ids(max_size: int, key: Any = None) -> dict[int, bytes]:
     """BLAKE3 ids (keyed, with an encrypted store's ``key``) of all-zero chunks of each
     page-multiple length up to ``max_size``."""
