@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -333,10 +334,13 @@ class Operations:
 
     def restore(self, caller: Caller, args: p.RestoreArgs, progress: Progress) -> Result:
         start = time.monotonic()
+        job: RestoreJob | None = None  # (None: the restore failed before it killed anything)
         with contextlib.ExitStack() as cleanup:
-            replace = None
+            replace, exiting = None, contextlib.ExitStack()  # the replaced tree, held
+            cleanup.enter_context(exiting)
             if args.replace_pid is not None:
-                replace = cleanup.enter_context(self._tree(caller, args.replace_pid))
+                replace = exiting.enter_context(self._tree(caller, args.replace_pid))
+                exiting.callback(_reap_replaced, lambda: job)
             self._check_tree_limit(caller, replacing=args.replace_pid)
             run_as = self._as_caller(caller, CRIU_RESTORE_CAPS)
             group, _cwd = self._init_identity(caller)  # the cwd the images' init returns to
@@ -377,6 +381,9 @@ class Operations:
                     job.source.close()  # a whole restore: every page was filled in
             if job.stream is not None:
                 self._stream_pages(caller, job, kept.pop_all())
+            if job.replaced_exiting:  # it exits beside the restored tree: reaped after
+                threading.Thread(target=exiting.pop_all().close, name="reap-replaced",
+                                 daemon=True).start()
         return {"pid": job.pid, "duration_s": round(time.monotonic() - start, 6), "phases": phases,
                 "gpu": _gpu_summary(stages), "retargeted": job.retargeted,
                 "pages": self.streams[job.pid].report() if job.stream is not None else None,
@@ -479,6 +486,18 @@ class Operations:
         """The caller's live trees, as this helper recorded them (also after a restart)."""
         return {"trees": [{"pid": t.pid, "namespace": t.namespace}
                           for t in self.registry.owned_by(caller.uid)]}
+
+
+def _reap_replaced(job: Callable[[], RestoreJob | None]) -> None:
+    """A replaced tree killed without waiting (KillReplaced): wait for its exit and reap it,
+    before its hold ends (after the restore, or when it fails)."""
+    restore = job()
+    if restore is not None and restore.replace is not None and restore.replaced_exiting:
+        try:
+            terminate_tree(restore.replace)
+        except RequestError as exc:
+            log.error("the tree %d a restore replaced did not exit: %s", restore.replace.pid,
+                      exc.message)
 
 
 def _init_cwd_key(tree: Held) -> tuple[str, int, int] | None:

@@ -15,11 +15,16 @@ reconnects to the restored listener, as it does after a kernel restart. That is 
   used", resumes the tree, and the dump is tried again (``is_new_connection``).
 - restore: each unix socket of the images whose peer is an external one gets the live end of a
   fresh socket pair whose other end is closed, through CRIU's ``inherit_fd``.
+- a restore in place: the replaced kernel's listeners and the connections they accepted are
+  shut down as it is killed (``shut_accepted``), so that the server reconnects to the restored
+  listener as soon as it listens, not after the old kernel's exit has freed all its memory
+  (Linux closes a process's files last).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import re
 import socket
@@ -80,3 +85,98 @@ def closed_ends(inodes: list[int]) -> Iterator[list[tuple[str, int]]]:
     finally:
         for end in ends:
             end.close()
+
+
+_SYS_PIDFD_GETFD = 438  # the same number on x86_64 and aarch64
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _pidfd_getfd(pidfd: int, target: int) -> int:
+    fd = _libc.syscall(_SYS_PIDFD_GETFD, pidfd, target, 0)
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return fd
+
+
+_STREAM_FAMILIES = (socket.AF_UNIX, socket.AF_INET, socket.AF_INET6)
+
+
+def _stream_sockets(pidfds: dict[int, int]) -> list[socket.socket]:
+    """A copy of every unix or TCP stream socket the processes hold (pid -> pidfd, each taken while
+    it was a member of the tree: checkpoint.member_pidfds)."""
+    out: list[socket.socket] = []
+    seen: set[int] = set()
+    for pid, pidfd in pidfds.items():
+        try:
+            names = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for name in names:
+            try:
+                match = _SOCKET.match(os.readlink(f"/proc/{pid}/fd/{name}"))
+                if match is None or int(match.group(1)) in seen:
+                    continue
+                fd = _pidfd_getfd(pidfd, int(name))
+            except (OSError, ValueError):
+                continue  # closed meanwhile, or the process has exited
+            try:
+                copy = socket.socket(fileno=fd)
+            except OSError:
+                os.close(fd)  # the descriptor was reused meanwhile, by something else
+                continue
+            if os.fstat(copy.fileno()).st_ino != int(match.group(1)):
+                copy.close()  # the descriptor was reused meanwhile: not the socket listed
+                continue
+            seen.add(int(match.group(1)))
+            if copy.family in _STREAM_FAMILIES and copy.type == socket.SOCK_STREAM:
+                out.append(copy)
+            else:
+                copy.close()
+    return out
+
+
+def shut_accepted(pidfds: dict[int, int]) -> int:
+    """Shut down, both ways, the listening sockets of these processes (a kernel tree about to
+    be killed: its ZMQ endpoints) and every connection they accepted (the server's): the
+    server sees its connections end now, not once the old kernel's exit has freed all its
+    memory, and its reconnects are refused (a listener shut down takes no connection) until
+    the restored kernel listens, so they never reach the old kernel. A socket accepted on a
+    listener carries the listener's own address, which is how its connections are told from
+    others. Unix sockets (the server's ipc endpoints) and TCP (a kernel on ports). Returns
+    how many listeners were shut down."""
+    socks = _stream_sockets(pidfds)
+    try:
+        listening = {_name(s) for s in socks if _listens(s)}
+        listening.discard(None)
+        shut = 0
+        for s in socks:
+            if _name(s) in listening:
+                listener = _listens(s)  # (a TCP listener shut down listens no more)
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    continue
+                shut += listener
+        return shut
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _listens(sock: socket.socket) -> bool:
+    try:
+        return bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+    except OSError:
+        return False
+
+
+def _name(sock: socket.socket) -> tuple | None:
+    """The socket's own address (None: unnamed, or none)."""
+    try:
+        name = sock.getsockname()
+    except OSError:
+        return None
+    if not name:
+        return None
+    return (sock.family, name if isinstance(name, (str, bytes)) else tuple(name))

@@ -62,8 +62,12 @@ def _dump(client, kernel: Kernel) -> str:  # noqa: ANN001
 def test_lazy_restore_answers_then_every_page_arrives(client, kernel: Kernel, trees,
                                                       helper) -> None:
     images = _dump(client, kernel)
-    restored = client.restore(images, replace_pid=kernel.pid, lazy=True)
+    old = kernel.pid
+    restored = client.restore(images, replace_pid=old, lazy=True)
     trees.add(restored.pid)
+    # the replaced tree was killed and exited beside the restore; it is reaped after it, not
+    # left a zombie (checkpoint.KillReplaced)
+    _wait(lambda: not os.path.exists(f"/proc/{old}"), "the replaced tree to be reaped")
     # streaming, or already resident on a machine that starved the helper's answer (the
     # kernel running before its memory was back is shown by the tests below, held)
     assert restored.pages is not None and restored.pages["state"] in ("streaming", "resident")
