@@ -34,7 +34,6 @@ file is the caller's own inode, and a caller who truncates it only breaks their 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import select
@@ -46,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from .criu import CriuFailed, log_tail, tree_tasks
 from .holds import hold
+from .proc import pidfd_getfd
 from .protocol import RequestError
 
 if TYPE_CHECKING:
@@ -60,18 +60,6 @@ RECEIVE_S = 60.0
 WATCH_S = 0.05
 UFFD_LINK = "anon_inode:[userfaultfd]"
 PF_EXITING = 0x4  # include/linux/sched.h: set before an exiting task's descriptors close
-_SYS_PIDFD_GETFD = 438
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _pidfd_getfd(pidfd: int, fd: int) -> int:
-    got = _libc.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
-    if got < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return got
-
-
 class PageStream:
     """One lazy restore's page daemon, and the helper's hold on its userfaultfds."""
 
@@ -164,7 +152,7 @@ class PageStream:
         new = []
         for fd in self._uffds():
             try:
-                new.append(_pidfd_getfd(self.pidfd, fd))
+                new.append(pidfd_getfd(self.pidfd, fd))
             except OSError:
                 continue  # closed meanwhile (its process is fully resident, or gone)
         live = self._live()  # after the scan: a daemon exiting during it is caught here

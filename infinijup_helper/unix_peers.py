@@ -24,13 +24,12 @@ reconnects to the restored listener, as it does after a kernel restart. That is 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import re
 import socket
 from collections.abc import Iterator
 
-from .proc import tree_members
+from .proc import pidfd_getfd, tree_members
 
 USK_EXTERN = 1  # CRIU's sk-unix.c: a socket outside the dumped tree
 _SOCKET = re.compile(r"^socket:\[(\d+)\]$")
@@ -87,18 +86,6 @@ def closed_ends(inodes: list[int]) -> Iterator[list[tuple[str, int]]]:
             end.close()
 
 
-_SYS_PIDFD_GETFD = 438  # the same number on x86_64 and aarch64
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _pidfd_getfd(pidfd: int, target: int) -> int:
-    fd = _libc.syscall(_SYS_PIDFD_GETFD, pidfd, target, 0)
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return fd
-
-
 _STREAM_FAMILIES = (socket.AF_UNIX, socket.AF_INET, socket.AF_INET6)
 
 
@@ -117,7 +104,7 @@ def _stream_sockets(pidfds: dict[int, int]) -> list[socket.socket]:
                 match = _SOCKET.match(os.readlink(f"/proc/{pid}/fd/{name}"))
                 if match is None or int(match.group(1)) in seen:
                     continue
-                fd = _pidfd_getfd(pidfd, int(name))
+                fd = pidfd_getfd(pidfd, int(name))
             except (OSError, ValueError):
                 continue  # closed meanwhile, or the process has exited
             try:
