@@ -174,6 +174,56 @@ def kill_aborted_restore(registry: Registry, recorded: int | None) -> None:
             os.close(fd)
 
 
+def end_failed_restore(job: RestoreJob, pids: set[int], since: float) -> None:
+    """After CRIU failed a restore, nothing runs from its images, and nothing of it holds their
+    pids. With no PID namespace (the GPU hosts) the tasks CRIU made have the images' own
+    pids: left to the reaper, a second restore of the same images right after could fail
+    with "File exists". A tree recorded at post-restore is ended and reaped now; the other
+    tasks CRIU made and ended are zombies of the helper (the root is its child, CRIU's
+    ``rst_sibling``; the others are reparented to it, the child subreaper), reaped now too."""
+    if job.pid is not None:
+        try:
+            with job.registry.hold(job.caller.uid, job.pid) as held:
+                terminate_tree(held)
+        except RequestError:
+            pass  # gone, and reaped, already
+    reap_failed_restore(job.registry, pids, since)
+
+
+def reap_failed_restore(registry: Registry, pids: set[int], since: float) -> None:
+    """Reap the zombies a failed restore left (end_failed_restore). Taken: a zombie child of
+    the helper, held by a pidfd, with one of the images' pids, made since the restore began,
+    not a tree of the registry and not a CRIU (the helper's ops wait for those themselves);
+    otherwise the reaper's sweep takes them, 5 to 10 s later."""
+    me = os.getpid()
+    for pid in sorted(pids):
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            continue
+        try:
+            info = read_proc(pid)
+            if (info is None or not info.is_zombie or info.ppid != me or _comm(pid) == "criu"
+                    or registry.lookup(pid) is not None or _started_at(pid) < since - 0.05):
+                continue
+            os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG)
+            log.info("reaped %d, a task of a failed restore", pid)
+        except ChildProcessError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def _started_at(pid: int) -> float:
+    """When the process started, on CLOCK_BOOTTIME (0 when it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 PF_EXITING = 0x4
 
 
@@ -593,6 +643,8 @@ class CriuRestore(StageBase):
         deadline = self.criu.deadline_s(job.staged_bytes)
         detached = detached_inodes(self.criu.messages(job.staging.fd, FILES_IMAGE, "FILES",
                                                       "file_entry"))
+        pids = {int(t["pid"]) for t in tree_tasks(self.criu, job.staging.fd)}
+        started = time.clock_gettime(time.CLOCK_BOOTTIME)
         try:
             with closed_ends(detached) as inherit:
                 pid = self.criu.restore(job.staging.fd, run_as=job.run_as,
@@ -601,6 +653,7 @@ class CriuRestore(StageBase):
                                         cgroup_procs=job.cgroup_procs, inherit=inherit,
                                         lazy=stream is not None)
         except RequestError as exc:
+            end_failed_restore(job, pids, started)
             if stream is None:
                 raise
             stream.abort()
