@@ -88,6 +88,17 @@ def terminate_tree(tree: Held, timeout: float = KILL_TIMEOUT_S) -> None:
             os.close(fd)
 
 
+def reap_dumped(tree: Held, members: dict[int, int], timeout: float = KILL_TIMEOUT_S) -> None:
+    """After a dump that did not leave the tree running (CRIU ended it): wait until its root
+    and ``members`` (pid -> pidfd, taken before the dump: ``member_pidfds``) are gone and
+    reaped. Without a PID namespace a restore of the images takes those very pids back; left
+    to the reaper's sweep, a member would hold its pid for 5 to 10 s more."""
+    if not _wait_readable(tree.pidfd, timeout):
+        raise RequestError("timeout", f"process {tree.pid} did not exit within {timeout:.0f} s")
+    tree.reap()
+    _reap_members(members, timeout)
+
+
 def kill_root(tree: Held) -> None:
     """SIGKILL a held tree's root through its pidfd, without waiting for its exit."""
     try:

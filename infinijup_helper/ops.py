@@ -33,6 +33,8 @@ from .checkpoint import (
     RestoreJob,
     StageImages,
     VerifyDumpedCreds,
+    member_pidfds,
+    reap_dumped,
     terminate_tree,
 )
 from .creds import (
@@ -322,7 +324,17 @@ class Operations:
                         lock_key=lock_key,
                     )
                     stages = self.dump_stages()
-                    phases = run_stages(stages, job, progress)
+                    # a tree not left running is ended by CRIU: its pids freed before the answer
+                    # (a PID namespace's init becomes reapable only after all of its tree)
+                    ending = {} if args.leave_running or tree.tree.namespace else \
+                        member_pidfds(tree)
+                    try:
+                        phases = run_stages(stages, job, progress)
+                        if not args.leave_running:
+                            reap_dumped(tree, ending)
+                    finally:
+                        for fd in ending.values():
+                            os.close(fd)
             finally:
                 os.close(parent_fd)
         return {

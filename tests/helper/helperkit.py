@@ -180,8 +180,10 @@ class Trees:
         return pid
 
     def cleanup(self) -> None:
-        """SIGKILL every tree still running and wait until it is gone (the helper reaps it)."""
-        for pid in self.pids:
+        """SIGKILL every tree still running and wait until it is gone (the helper reaps it).
+        Its descendants too: without a PID namespace (``--pid-namespace never``, the GPU
+        hosts) the root's death does not end them."""
+        for pid in [d for root in self.pids for d in _descendants(root)] + self.pids:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -196,6 +198,15 @@ class Trees:
                 except (FileNotFoundError, ProcessLookupError):  # gone (or going: ESRCH)
                     break
                 time.sleep(0.01)
+
+
+def _descendants(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+    return [d for c in children for d in (c, *_descendants(c))]
 
 
 @pytest.fixture
