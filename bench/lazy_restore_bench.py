@@ -15,6 +15,8 @@ served by the server's serving process (engine/store_pages.py) through the helpe
 source (infinijup_helper/page_source.py), as a wake from the store serves them. Its time to
 the first answer includes the serving process's start (it is started per restore).
 With ``--store`` the kernel's bytes are all distinct (a repeated MiB would be one chunk).
+``--no-cell`` leaves the cell out, so that "all resident" is the page stream's alone (with the
+cell, the kernel's own faults share the cores with the stream from the answer on).
 ``INFINIJUP_BENCH_VERBOSE=1`` prints each restore's helper phases (stage, files, kill of the
 replaced kernel, CRIU's restore) and the wait for the answer after them.
 """
@@ -102,16 +104,18 @@ def _first_reply(kernel) -> None:  # noqa: ANN001
     raise TimeoutError("the kernel did not answer")
 
 
-def _one(client, kernel, images: str, mode: str, store: _FromStore | None) -> dict:  # noqa: ANN001
+def _one(client, kernel, images: str, mode: str, store: _FromStore | None,  # noqa: ANN001
+         no_cell: bool = False) -> dict:
     lazy = mode != "whole"
     start = time.monotonic()
     with store.serving() if mode == "store" else contextlib.nullcontext():
         restored = client.restore(images, replace_pid=kernel.pid, lazy=lazy,
                                   page_source="pages.sock" if mode == "store" else None)
-        return _after_restore(client, kernel, restored, start, lazy)
+        return _after_restore(client, kernel, restored, start, lazy, no_cell)
 
 
-def _after_restore(client, kernel, restored, start: float, lazy: bool) -> dict:  # noqa: ANN001
+def _after_restore(client, kernel, restored, start: float, lazy: bool,  # noqa: ANN001
+                   no_cell: bool = False) -> dict:
     kernel.pid = restored.pid
     helper_s = time.monotonic() - start
     _first_reply(kernel)
@@ -121,7 +125,9 @@ def _after_restore(client, kernel, restored, start: float, lazy: bool) -> dict: 
               f"{ {k: round(v, 3) for k, v in restored.phases.items()} } "
               f"answer {row['answer'] - helper_s:.3f} s", flush=True)
     kernel.wait_answering(timeout=600)  # iopub too, before the next cell (not timed)
-    row["touch"] = _touch_all_s(kernel)  # right after the answer: while pages still stream
+    # right after the answer: while pages still stream (--no-cell: not at all, so that "all
+    # resident" is the stream's alone)
+    row["touch"] = None if no_cell else _touch_all_s(kernel)
     if lazy:
         assert restored.pages is not None, restored.whole_why
         while (pages := client.status(restored.pid).pages)["state"] == "streaming":
@@ -137,6 +143,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--store", action="store_true",
                     help="also restore lazily with the page files served from a store")
+    ap.add_argument("--no-cell", action="store_true",
+                    help="no cell reading every byte: 'all resident' is the stream's alone")
     args = ap.parse_args()
     modes = ["whole", "lazy"] + (["store"] if args.store else [])
     from infinijup.helper_client import HelperClient
@@ -155,7 +163,7 @@ def main() -> None:
                 got: dict[str, list[dict]] = {m: [] for m in modes}
                 for _ in range(args.runs):
                     for mode in modes:
-                        got[mode].append(_one(client, kernel, images, mode, store))
+                        got[mode].append(_one(client, kernel, images, mode, store, args.no_cell))
                         trees.add(kernel.pid)
                 client.release(images)
             finally:
@@ -172,8 +180,8 @@ def main() -> None:
             m = med[mode]
             res = (f"{m['resident']:.3f} s | {mib / 1024 / m['resident']:.2f} GiB/s"
                    if m["resident"] is not None else "- | -")
-            print(f"| {mib} MiB | {LABELS[mode]} | {m['answer']:.3f} s | {res} "
-                  f"| {m['touch']:.3f} s |")
+            cell = f"{m['touch']:.3f} s" if m["touch"] is not None else "-"
+            print(f"| {mib} MiB | {LABELS[mode]} | {m['answer']:.3f} s | {res} | {cell} |")
     if len(rows) > 1:
         (small, first), *rest = rows
         for mib, med in rest:
@@ -187,7 +195,9 @@ LABELS = {"whole": "whole", "lazy": "lazy", "store": "lazy, pages from a store"}
 def _medians(got: dict[str, list[dict]]) -> dict[str, dict]:
     out = {}
     for mode, runs in got.items():
-        out[mode] = {f: statistics.median(r[f] for r in runs) for f in ("answer", "touch")}
+        out[mode] = {"answer": statistics.median(r["answer"] for r in runs)}
+        touched = [r["touch"] for r in runs if r["touch"] is not None]
+        out[mode]["touch"] = statistics.median(touched) if touched else None
         resident = [r["resident"] for r in runs if r["resident"] is not None]
         out[mode]["resident"] = statistics.median(resident) if resident else None
     return out
