@@ -39,7 +39,7 @@ from .page_source import PageSource
 from .paths import Staging, WorkDirs
 from .proc import Caller, read_proc, tree_members
 from .protocol import RequestError
-from .registry import Held, Registry
+from .registry import Held, Registry, start_time
 from .retarget import FILES_IMAGE, RetargetPlan
 from .seal import FileSeal, Sealer, is_sealed_name, untrusted
 from .stages import StageBase
@@ -215,7 +215,8 @@ def reap_failed_restore(registry: Registry, pids: set[int], since: float) -> Non
         try:
             info = read_proc(pid)
             if (info is None or not info.is_zombie or info.ppid != me or _comm(pid) == "criu"
-                    or registry.lookup(pid) is not None or _started_at(pid) < since - 0.05):
+                    or registry.lookup(pid) is not None
+                    or (start_time(pid) or 0) / os.sysconf("SC_CLK_TCK") < since - 0.05):
                 continue
             os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG)
             log.info("reaped %d, a task of a failed restore", pid)
@@ -223,16 +224,6 @@ def reap_failed_restore(registry: Registry, pids: set[int], since: float) -> Non
             pass
         finally:
             os.close(fd)
-
-
-def _started_at(pid: int) -> float:
-    """When the process started, on CLOCK_BOOTTIME (0 when it cannot be read)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime
-    except (OSError, IndexError, ValueError):
-        return 0.0
 
 
 PF_EXITING = 0x4
@@ -654,7 +645,6 @@ class CriuRestore(StageBase):
         deadline = self.criu.deadline_s(job.staged_bytes)
         detached = detached_inodes(self.criu.messages(job.staging.fd, FILES_IMAGE, "FILES",
                                                       "file_entry"))
-        pids = {int(t["pid"]) for t in tree_tasks(self.criu, job.staging.fd)}
         started = time.clock_gettime(time.CLOCK_BOOTTIME)
         try:
             with closed_ends(detached) as inherit:
@@ -664,7 +654,8 @@ class CriuRestore(StageBase):
                                         cgroup_procs=job.cgroup_procs, inherit=inherit,
                                         lazy=stream is not None)
         except RequestError as exc:
-            end_failed_restore(job, pids, started)
+            end_failed_restore(job, {int(t["pid"]) for t in tree_tasks(
+                self.criu, job.staging.fd)}, started)
             if stream is None:
                 raise
             stream.abort()
