@@ -137,6 +137,7 @@ class HelperClient:
         path_map: Sequence[tuple[str, str]] = (),
         lazy: bool = False,
         page_source: str | None = None,
+        park: bool = False,
     ) -> RestoreResult:
         """``path_map`` (saved socket path, new path), ``port_map`` (saved TCP port, new port)
         and ``log_path`` restore the images into another kernel session: its endpoints and its
@@ -154,6 +155,8 @@ class HelperClient:
             args["lazy"] = True
         if page_source is not None:
             args["page_source"] = page_source
+        if park:
+            args["park"] = True
         r = self.call("restore", args, on_progress)
         return RestoreResult(int(r["pid"]), r["duration_s"], dict(r["phases"]), r.get("gpu"),
                              r.get("pages"), r.get("whole_why"))

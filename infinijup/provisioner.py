@@ -99,14 +99,20 @@ class InfinijupProvisioner(LocalProvisioner):
         return self.connection_info
 
     # --- following the kernel ---------------------------------------------------------
-    def attach(self, pid: int) -> None:
-        """Follow ``pid`` as this kernel's process (at launch, and after a restore)."""
-        if self.tracked is not None:
-            self.tracked.close()
-        self.tracked = TrackedProcess.attach(pid)
+    def attach(self, pid: int | TrackedProcess, keep_old: bool = False) -> TrackedProcess | None:
+        """Follow ``pid`` (or a process already held) as this kernel's process (at launch,
+        after a restore). ``keep_old``: the process followed until now is handed back, still
+        held (a kernel an undo set aside: engine/set_aside.py)."""
+        old = self.tracked
+        if old is not None and not keep_old:
+            old.close()
+            old = None
+        self.tracked = pid if isinstance(pid, TrackedProcess) else TrackedProcess.attach(pid)
+        pid = self.tracked.pid
         self.pid = pid
         self.pgid = None
         self.hibernated = False
+        return old
 
     @property
     def root_pid(self) -> int | None:

@@ -33,7 +33,7 @@ from .criu import (
     private_page_files,
     tree_tasks,
 )
-from .cuda_stage import GPU_RESTORED_WHOLE, images_map_cuda
+from .cuda_stage import GPU_RESTORED_WHOLE, images_map_cuda, uses_nvidia
 from .lazy_pages import PageStream, processes_to_serve
 from .page_source import PageSource
 from .paths import Staging, WorkDirs
@@ -48,6 +48,7 @@ from .unix_peers import (
     detached_inodes,
     is_new_connection,
     shut_accepted,
+    shut_connections,
     tree_socket_ids,
 )
 
@@ -435,6 +436,7 @@ class RestoreJob:
     retarget: RetargetPlan = field(default_factory=RetargetPlan)  # see retarget.py
     retargeted: dict = field(default_factory=dict)
     replaced_exiting: bool = False  # killed, its exit not waited for (KillReplaced)
+    park: bool = False  # set the replaced tree aside, alive (KillReplaced)
     lazy: bool = False  # leave private memory to a page daemon (lazy_pages.py)
     whole_why: str | None = None  # asked for lazy, restored whole: why
     stream: PageStream | None = None
@@ -586,7 +588,13 @@ class KillReplaced(StageBase):
 
     name = "kill"
 
+    def __init__(self, criu: Criu) -> None:
+        self.criu = criu
+
     def run(self, job: RestoreJob) -> None:
+        if job.park:
+            park_replaced(self.criu, job)
+            return
         if job.replace is None:
             return
         if job.lazy and job.replace.tree.namespace:
@@ -604,6 +612,36 @@ class KillReplaced(StageBase):
                     os.close(fd)
         # (no listener found, or none could be shut down: the restore binds after the exit)
         terminate_tree(job.replace)
+
+
+def park_replaced(criu: Criu, job: RestoreJob) -> None:
+    """Set the replaced tree aside, alive and untouched but for the connections its listeners
+    accepted, which are shut down (the server reconnects to the restored kernel; the caller
+    has moved the listeners' socket files aside first). An undo restores beside the kernel it
+    leaves and dumps that kernel afterwards. Refused, before anything is touched, where the
+    restore needs what the tree holds: pids (no PID namespace) or GPU memory (either side
+    maps the CUDA driver). Nothing is reniced: CRIU would save the priority with the tree."""
+    replace = job.replace
+    why = None
+    if replace is None:
+        why = "there is no kernel to set aside"
+    elif not replace.tree.namespace:
+        why = "the kernel has no PID namespace of its own (the restore takes its pids back)"
+    elif job.whole_why == GPU_RESTORED_WHOLE or images_map_cuda(criu, job.staging.fd):
+        why = "the snapshot holds GPU state"
+    if why is None and replace is not None:
+        members = member_pidfds(replace)
+        try:
+            if any(uses_nvidia(pid) for pid in [replace.pid, *members]):
+                why = "the kernel uses the GPU"
+            else:
+                shut_connections({**members, replace.pid: replace.pidfd})
+                return
+        finally:
+            for fd in members.values():
+                os.close(fd)
+    raise RequestError("cannot_park", f"the kernel cannot be set aside while the snapshot is "
+                       f"restored: {why}")
 
 
 class CriuRestore(StageBase):

@@ -40,7 +40,7 @@ def tree_pids(root: int, owner: int | None = None) -> list[int]:
     return out
 
 
-def _uses_nvidia(pid: int) -> bool:
+def uses_nvidia(pid: int) -> bool:
     """Cheap pre-filter: does the process map the CUDA driver library?"""
     try:
         with open(f"/proc/{pid}/maps") as f:
@@ -66,7 +66,7 @@ def cuda_pids(root: int, owner: int | None = None) -> list[int]:
     return [
         p
         for p in tree_pids(root, owner)
-        if _uses_nvidia(p) and driver.state(p) is not driver.CudaState.NONE
+        if uses_nvidia(p) and driver.state(p) is not driver.CudaState.NONE
     ]
 
 
@@ -168,7 +168,7 @@ class CudaResumeRestored(StageBase):
         pids = [
             p
             for p in tree_pids(ctx.pid)
-            if _uses_nvidia(p) and driver.state(p) is driver.CudaState.CHECKPOINTED
+            if uses_nvidia(p) and driver.state(p) is driver.CudaState.CHECKPOINTED
         ]
         if not pids:
             return
@@ -188,7 +188,7 @@ class CudaResumeRestored(StageBase):
 def resume_tree(root: int) -> dict[str, Any]:
     """Bring back onto the GPU every process of the tree that is locked or checkpointed."""
     t0 = time.monotonic()
-    pids = [p for p in tree_pids(root) if _uses_nvidia(p)
+    pids = [p for p in tree_pids(root) if uses_nvidia(p)
             and driver.state(p) in (driver.CudaState.CHECKPOINTED, driver.CudaState.LOCKED)]
     for pid in pids:
         driver.resume(pid)

@@ -179,7 +179,7 @@ class Operations:
             StageImages(self.criu, self.sealer),
             RetargetImages(self.criu),
             CheckHostFiles(self.criu, self.python),  # what CRIU would not reopen: refused now
-            KillReplaced(),
+            KillReplaced(self.criu),
             CriuRestore(self.criu),
         ]
         if self.features.cuda:
@@ -353,7 +353,8 @@ class Operations:
             if args.replace_pid is not None:
                 replace = exiting.enter_context(self._tree(caller, args.replace_pid))
                 exiting.callback(_reap_replaced, lambda: job)
-            self._check_tree_limit(caller, replacing=args.replace_pid)
+            # (a tree set aside lives on beside the restored one)
+            self._check_tree_limit(caller, replacing=None if args.park else args.replace_pid)
             run_as = self._as_caller(caller, CRIU_RESTORE_CAPS)
             group, _cwd = self._init_identity(caller)  # the cwd the images' init returns to
             log_path = (self.work.confine_file(caller, args.log_path)
@@ -376,6 +377,7 @@ class Operations:
                 retarget=RetargetPlan(port_map=args.port_map, path_map=args.path_map,
                                       log_path=log_path),
                 cgroup_procs=caller_cgroup_procs(caller, self.cgroup_mount),
+                park=args.park,
                 lazy=args.lazy and not self._whole_why(run_as),
                 whole_why=self._whole_why(run_as) if args.lazy else None,
             )
@@ -399,7 +401,7 @@ class Operations:
         return {"pid": job.pid, "duration_s": round(time.monotonic() - start, 6), "phases": phases,
                 "gpu": _gpu_summary(stages), "retargeted": job.retargeted,
                 "pages": self.streams[job.pid].report() if job.stream is not None else None,
-                "whole_why": job.whole_why}
+                "whole_why": job.whole_why, "parked": job.replace_pid if job.park else None}
 
     def _whole_why(self, run_as: RunAs | None) -> str | None:
         """Why this caller's lazy restores are made whole instead (None: they can be lazy;

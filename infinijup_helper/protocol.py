@@ -83,6 +83,10 @@ class RestoreArgs:
     # A unix socket in images_dir that serves the page files, which are then not in it
     # (page_source.py): restores from the store without checking the pages out.
     page_source: str | None = None
+    # Set the replaced tree aside instead of ending it (an undo: it is dumped afterwards); its
+    # connections end, its listeners stay. Refused ("cannot_park") where the restore would
+    # need what it holds: KillReplaced.
+    park: bool = False
 
 
 @dataclass(frozen=True)
@@ -331,6 +335,7 @@ ARG_SPECS: dict[str, tuple[type, dict[str, tuple[Validator, Any]]]] = {
             "log_path": (_optional_path, None),
             "lazy": (_bool, False),
             "page_source": (_optional_name, None),
+            "park": (_bool, False),
         },
     ),
     "kill": (KillArgs, {"pid": (_pid, _REQUIRED)}),

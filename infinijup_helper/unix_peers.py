@@ -19,6 +19,8 @@ reconnects to the restored listener, as it does after a kernel restart. That is 
   shut down as it is killed (``shut_accepted``), so that the server reconnects to the restored
   listener as soon as it listens, not after the old kernel's exit has freed all its memory
   (Linux closes a process's files last).
+- an undo's restore beside the kernel it leaves: that kernel's accepted connections are shut
+  down, its listeners kept (``shut_connections``); it is dumped afterwards, as it was.
 """
 
 from __future__ import annotations
@@ -145,6 +147,28 @@ def shut_accepted(pidfds: dict[int, int]) -> int:
                 except OSError:
                     continue
                 shut += listener
+        return shut
+    finally:
+        for s in socks:
+            s.close()
+
+
+def shut_connections(pidfds: dict[int, int]) -> int:
+    """Shut down, both ways, every connection the listening sockets of these processes
+    accepted, and no listener (a kernel set aside by an undo: it is dumped later, listening
+    as it did). Returns how many were shut down."""
+    socks = _stream_sockets(pidfds)
+    try:
+        listening = {_name(s) for s in socks if _listens(s)}
+        listening.discard(None)
+        shut = 0
+        for s in socks:
+            if _name(s) in listening and not _listens(s):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    continue
+                shut += 1
         return shut
     finally:
         for s in socks:

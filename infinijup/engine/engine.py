@@ -209,6 +209,7 @@ class SnapshotEngine:
         replan: Callable[[RefConflict], dict] | None = None,
         extra_files: dict[str, str] | None = None,
         background: bool = False,
+        leave_running: bool = True,
     ) -> DumpResult:
         """Dump the tree rooted at ``pid`` (left running) and commit it on store ``thread``.
 
@@ -224,9 +225,12 @@ class SnapshotEngine:
         ``background``: nobody waits for the commit (an automatic snapshot): the images are
         stored ``ingest_nice`` nice levels below the caller, so that the kernel's next cells
         come first (niced.py).
+
+        ``leave_running=False``: the tree is ended and reaped once dumped (a kernel an undo set
+        aside: undo.py).
         """
         t0 = time.perf_counter()
-        dumped = self.dump(pid, on_progress)
+        dumped = self.dump(pid, on_progress, leave_running=leave_running)
         try:
             dumped.extra.update(_open_extra(extra_files or {}))
         except BaseException:
@@ -270,8 +274,10 @@ class SnapshotEngine:
             hot=hot,
         )
 
-    def dump(self, pid: int, on_progress: Progress = _no_progress) -> Dumped:
-        """Dump the tree rooted at ``pid`` (left running) into a fresh images dir."""
+    def dump(self, pid: int, on_progress: Progress = _no_progress,
+             leave_running: bool = True) -> Dumped:
+        """Dump the tree rooted at ``pid`` (left running, unless told) into a fresh images
+        dir."""
         if self.hot_tier_bytes > 0:
             try:
                 self.hot_tier().make_room()  # the hot tier never fills the disk under a dump
@@ -280,7 +286,7 @@ class SnapshotEngine:
         images = self._new_dir("images")
         try:
             on_progress("dump", {"percent": 30})
-            dump = self.helper.dump(pid, str(images), leave_running=True,
+            dump = self.helper.dump(pid, str(images), leave_running=leave_running,
                                     on_progress=lambda ph, d: on_progress(ph, d))
         except InfinijupError as exc:
             self._discard(images)
@@ -450,8 +456,10 @@ class SnapshotEngine:
                 on_progress: Progress = _no_progress,
                 gpu_map: tuple[tuple[str, str], ...] = (),
                 path_map: tuple[tuple[str, str], ...] = (),
-                log_path: str | None = None) -> RestoreResult:
+                log_path: str | None = None, park: bool = False) -> RestoreResult:
         """Replace the tree at ``replace_pid`` with the one in ``images``; remove ``images``.
+        ``park``: that tree is set aside alive, not ended (refused before anything is touched
+        where it cannot be: reason ``cannot_park``).
 
         ``gpu_map`` pairs (saved GPU UUID, GPU UUID here) move GPU state onto other GPUs;
         ``path_map`` and ``log_path`` put the kernel into another session (retarget.py).
@@ -470,7 +478,8 @@ class SnapshotEngine:
                                          on_progress=progress, gpu_map=gpu_map,
                                          path_map=path_map, log_path=log_path,
                                          lazy=self.lazy_restore,
-                                         page_source=SOCKET if source is not None else None)
+                                         page_source=SOCKET if source is not None else None,
+                                         park=park)
         except InfinijupError as exc:
             if getattr(exc, "reason", None) == "missing_files":  # refused before any kill
                 raise PreflightRefused(f"cannot restore here: {exc}",

@@ -3,7 +3,9 @@
     running ──► snapshotting ──► storing ──► running     (a snapshot: the kernel runs again
        │                                                   once dumped, while the store works)
        ├──► restoring ──► running                         (a restore; a failed one of a
-       │                                                   hibernated kernel leaves it so)
+       │         │                                         hibernated kernel leaves it so)
+       │         └──► storing ──► running                 (an undo: the kernel it left is
+       │                                                   dumped and stored behind it)
        ├──► releasing ──► released ──► waking ──► running (its GPU memory in host memory)
        └──► hibernating ──► hibernated ──► waking ──► running  (snapshotted, no process)
 
@@ -39,7 +41,7 @@ MOVES: dict[str, frozenset[str]] = {
     RUNNING: frozenset({SNAPSHOTTING, RESTORING, RELEASING, HIBERNATING}),
     SNAPSHOTTING: frozenset({STORING, RUNNING}),
     STORING: frozenset({RUNNING}),
-    RESTORING: frozenset({RUNNING, RELEASED, HIBERNATED}),
+    RESTORING: frozenset({RUNNING, RELEASED, HIBERNATED, STORING}),
     RELEASING: frozenset({RELEASED, RUNNING}),
     RELEASED: frozenset({WAKING, RESTORING}),
     HIBERNATING: frozenset({HIBERNATED, RUNNING}),

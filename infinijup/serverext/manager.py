@@ -91,6 +91,13 @@ class SnapshotManager(LoggingConfigurable):
                                     "CRIU as root and for CPU memory; other restores are whole "
                                     "and say why.").tag(config=True)
 
+    undo_sets_aside = Bool(True, help="An undo (or redo) of a kernel changed since its last "
+                                      "snapshot restores beside it and stores the state it left "
+                                      "afterwards, instead of first (serverext/undo.py): the "
+                                      "kernel's memory is held twice meanwhile. Only for CPU "
+                                      "kernels in PID namespaces, with the memory free."
+                           ).tag(config=True)
+
     pages_from_store_min_bytes = Integer(
         1 << 30, help="A lazy wake or resume whose images are not in the hot tier leaves the "
                       "page files in the store (read as the kernel runs, "

@@ -34,6 +34,7 @@ from ..engine.retarget import (
     plan_retarget,
     saved_connection,
 )
+from ..engine.set_aside import SetAside, move_aside, move_back
 from ..engine.steps import Steps
 from ..errors import InfinijupError, RestoreFailed
 from ..gpu import arena as gpu_arena
@@ -74,11 +75,14 @@ def plan(m, km, key: str, ref: str, branch: str | None, force: bool = False,  # 
 async def restore(m, kernel_id: str, ref: str, *, branch: str | None = None,  # noqa: ANN001
                   wait_idle: bool = False, force: bool = False,
                   gpu_map: dict[str, str] | None = None, within: Turn | None = None,
-                  quiet: bool = False, fresh: bool = False) -> dict:
+                  quiet: bool = False, fresh: bool = False, park: bool = False) -> dict:
     """Restore snapshot ``ref`` into kernel ``kernel_id`` (``m`` is the SnapshotManager).
-    ``within``: the turn of a wake this restore is part of. ``quiet``: a step of an undo or
-    redo (its events say so). ``fresh``: the kernel was started for this restore (a resume)
-    and holds nothing of the user's."""
+    ``within``: the turn of a larger move this restore is part of (a wake, an undo).
+    ``quiet``: a step of an undo or redo (its events say so). ``fresh``: the kernel was
+    started for this restore (a resume) and holds nothing of the user's. ``park``: the
+    kernel is set aside alive, not ended; the answer's ``set_aside`` holds it (an undo dumps
+    it afterwards: engine/set_aside.py); refused with reason ``cannot_park`` before anything
+    is touched where it cannot be."""
     km = m.kernel(kernel_id)
     m.provisioner(km)
     path = await m.notebook_path(kernel_id)
@@ -89,6 +93,7 @@ async def restore(m, kernel_id: str, ref: str, *, branch: str | None = None,  # 
     m.lifecycle.start_operation(op)
     m.events.end(op, "queued")
     run = RestoreRun(m, km, op, turn, planned, key, branch, fresh)
+    run.park = park
     try:
         if wait_idle:
             await m.wait_idle(km)
@@ -116,6 +121,8 @@ class RestoreRun:
         self.key, self.branch = key, branch
         self.session_key = km.session.key
         self.finished = False
+        self.park = False  # see restore()
+        self.set_aside: SetAside | None = None
         self.t0 = time.perf_counter()
 
     async def run(self) -> dict:
@@ -138,8 +145,15 @@ class RestoreRun:
                                                            "stdin_port", "control_port")])
             if p.retarget.saved_key is not None:  # it signs with its own key until adopted
                 km.session.key = p.retarget.saved_key
-            pid, phases = await step("restore", self.helper_restore(engine, images))
-            prov.attach(pid)
+            if self.park:  # its listeners' files go aside: the restored kernel binds anew
+                moved = await step("set_aside", asyncio.to_thread(
+                    move_aside, list(paths.values()), str(prov.root_pid)),
+                    undo=lambda: asyncio.to_thread(move_back, moved))
+            pid, phases = await step("restore", self.helper_restore(engine, images),
+                                     undo=self.take_back if self.park else None)
+            old = prov.attach(pid, keep_old=self.park)
+            if self.park and old is not None:
+                self.set_aside = SetAside(old, moved)
             m.events.emit(op, "reconnect", 85)
             reconnect_s = await step("reconnect", wait_reconnected(connected, m.answer_timeout))
             answer_s = await step("answer", self.answering(phases))
@@ -159,6 +173,7 @@ class RestoreRun:
         m.events.emit(op, "done", 100, commit=p.commit_id, thread=head.thread or "")
         return {"kernel_id": kernel_id, "commit": p.commit_id, "thread": head.thread,
                 "duration_s": time.perf_counter() - self.t0,
+                **({"set_aside": self.set_aside} if self.set_aside is not None else {}),
                 "phases": {**phases, "checkout_s": source.get("checkout_s"),
                            "images": source.get("source"),
                            "pages_from_store": source.get("pages_from_store", False),
@@ -166,6 +181,17 @@ class RestoreRun:
                            "reconnect_s": reconnect_s, "answer_s": answer_s}}
 
     # --- the steps ---------------------------------------------------------------------------
+    async def take_back(self) -> None:
+        """A restore beside a kernel set aside failed after the helper's part: the restored
+        tree goes, the kernel set aside is this kernel again (its socket files go back by the
+        set_aside step's undo, and the server reconnects to it)."""
+        aside = self.set_aside
+        if aside is None:
+            return
+        self.set_aside = None
+        await self.prov.kill()
+        self.prov.attach(aside.process)
+
     async def gpu_segments(self, images) -> str | None:  # noqa: ANN001
         """The snapshot's GPU segments, set aside (engine.restore removes the images); the
         restored kernel takes this copy."""
@@ -187,7 +213,8 @@ class RestoreRun:
         try:
             result = await asyncio.to_thread(
                 engine.restore, images, prov.root_pid, m.events.progress(self.op), p.gpu_pairs,
-                p.retarget.path_map, None if p.retarget.same_session else prov.log_path)
+                p.retarget.path_map, None if p.retarget.same_session else prov.log_path,
+                self.park)
             return result.pid, result.phases
         except RestoreFailed as exc:
             pid = await self.find_orphan(exc)

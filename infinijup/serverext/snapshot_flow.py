@@ -113,65 +113,86 @@ class SnapshotRun:
         self.plan = None
         self.resumed = False  # the kernel's resume hooks have run
         self.running_again_s: float | None = None
+        self.quiesce_s: float | None = None
+        self.gpu = GpuGo(None)  # (prepare: the kernel's own)
         self.t0 = time.perf_counter()
 
     async def run(self) -> dict:
-        m, op = self.m, self.op
-        async with Steps(m.log) as step:
-            if not self.from_kernel:  # %snapshot quiesced itself before asking
-                m.events.emit(op, "quiesce", 10)
-                info = await step("quiesce", self.quiesce(), undo=self.kernel_goes_on)
-                self.execution_count, self.described = info.get("execution_count"), info
-            t_quiesce = time.perf_counter() - self.t0
-            refused = agent.refusal(self.described)
-            if refused is not None:  # the kernel touched nothing: it runs on as it was
-                raise PreflightRefused(refused[0], reason=refused[1])
-            self.described = agent.commit_metadata(self.described)
-            token = self.described.get("gpu_segments", {}).get("token")
-            gpu = GpuGo(token)
-            await step("gpu_go", undo=lambda: asyncio.to_thread(gpu.say))
-            target = await step("plan", asyncio.to_thread(self.plan_now))
+        async with Steps(self.m.log) as step:
+            target = await self.prepare(step)
             if self.unchanged:  # nothing to save: the kernel runs on, as it was
-                gpu.say()
-                await self.kernel_goes_on()
-                m.events.emit(op, "done", 100, commit=self.head.commit or "", thread="",
-                              message="unchanged since its last snapshot: nothing taken")
-                return {"unchanged": True, "commit": self.head.commit}
-            extra = self.arena_files()
+                return await self.goes_on_unchanged()
+            result = await self.take(step, target)
+        return self.record(result)
 
-            m.events.emit(op, "dump", 30)
-            loop = asyncio.get_running_loop()
-            dumped_at: asyncio.Future = loop.create_future()
+    async def prepare(self, step: Steps) -> dict:
+        """Quiesce (unless the kernel did), describe and plan: the store target (``{}`` and
+        ``self.unchanged`` for a kernel unchanged since its head, with ``skip_unchanged``)."""
+        m, op = self.m, self.op
+        if not self.from_kernel:  # %snapshot quiesced itself before asking
+            m.events.emit(op, "quiesce", 10)
+            info = await step("quiesce", self.quiesce(), undo=self.kernel_goes_on)
+            self.execution_count, self.described = info.get("execution_count"), info
+        self.quiesce_s = time.perf_counter() - self.t0
+        refused = agent.refusal(self.described)
+        if refused is not None:  # the kernel touched nothing: it runs on as it was
+            raise PreflightRefused(refused[0], reason=refused[1])
+        self.described = agent.commit_metadata(self.described)
+        token = self.described.get("gpu_segments", {}).get("token")
+        self.gpu = gpu = GpuGo(token)
+        await step("gpu_go", undo=lambda: asyncio.to_thread(gpu.say))
+        return await step("plan", asyncio.to_thread(self.plan_now))
 
-            def on_dumped(dumped) -> None:  # noqa: ANN001 - in the engine's thread
-                gpu.say()
-                loop.call_soon_threadsafe(dumped_at.set_result, (dumped, self.plan.thread))
+    async def goes_on_unchanged(self) -> dict:
+        self.gpu.say()
+        await self.kernel_goes_on()
+        self.m.events.emit(self.op, "done", 100, commit=self.head.commit or "", thread="",
+                           message="unchanged since its last snapshot: nothing taken")
+        return {"unchanged": True, "commit": self.head.commit}
 
-            storing = asyncio.ensure_future(asyncio.to_thread(
-                m.engine().snapshot, self.prov.root_pid, message=self.message,
-                on_progress=self.progress(gpu), replan=self.replan, extra_files=extra,
-                on_dumped=on_dumped, background=self.is_auto() if self.background is None
-                else self.background, **target))
-            await asyncio.wait({dumped_at, storing}, return_when=asyncio.FIRST_COMPLETED)
-            if dumped_at.done():  # the kernel runs again while its images are stored
-                await step("runs_again", self.runs_again(*dumped_at.result()))
-            result = await step("store", storing)
-            if not self.from_kernel and not self.resumed:
-                await self.m.resume_hooks(self.km, restored=False)
+    async def take(self, step: Steps, target: dict):  # noqa: ANN201 - engine.DumpResult
+        """Dump the kernel (it runs again at once) and store its images."""
+        m, op, gpu = self.m, self.op, self.gpu
+        extra = self.arena_files()
+        m.events.emit(op, "dump", 30)
+        loop = asyncio.get_running_loop()
+        dumped_at: asyncio.Future = loop.create_future()
 
+        def on_dumped(dumped) -> None:  # noqa: ANN001 - in the engine's thread
+            gpu.say()
+            loop.call_soon_threadsafe(dumped_at.set_result, (dumped, self.plan.thread))
+
+        storing = asyncio.ensure_future(asyncio.to_thread(
+            m.engine().snapshot, self.prov.root_pid, message=self.message,
+            on_progress=self.progress(gpu), replan=self.replan, extra_files=extra,
+            on_dumped=on_dumped, background=self.is_auto() if self.background is None
+            else self.background, **target))
+        await asyncio.wait({dumped_at, storing}, return_when=asyncio.FIRST_COMPLETED)
+        if dumped_at.done():  # the kernel runs again while its images are stored
+            await step("runs_again", self.runs_again(*dumped_at.result()))
+        result = await step("store", storing)
+        if not self.from_kernel and not self.resumed:
+            await self.m.resume_hooks(self.km, restored=False)
+        return result
+
+    def record(self, result, head: bool = True) -> dict:  # noqa: ANN001 - engine.DumpResult
+        """The commit stored: the kernel's head moves onto it (``head``: it stands there), and
+        the answer."""
+        m, op = self.m, self.op
         commit = result.commit
         if self.kept_aside:  # no commit of the history: the head stays
             m.remote_tier.committed(self.aside)  # a pod that goes wakes elsewhere from it
             m.events.emit(op, "done", 100, commit=commit.id, thread="")
         else:
             m.remote_tier.committed(store_thread(notebook_key(self.path), self.plan.thread))
-            m.heads.set(self.km.kernel_id, Head(commit=commit.id, thread=self.plan.thread,
-                                                base_thread=self.plan.thread), self.prov)
+            if head:
+                m.heads.set(self.km.kernel_id, Head(commit=commit.id, thread=self.plan.thread,
+                                                    base_thread=self.plan.thread), self.prov)
             m.events.emit(op, "done", 100, commit=commit.id, thread=self.plan.thread)
             if self.is_auto():
                 m.retention.after_auto()  # older automatic snapshots thinned (retention.py)
         stats = {"image_bytes": result.image_bytes, "stored_bytes": result.stored_bytes,
-                 "pause_s": result.pause_s, "quiesce_s": t_quiesce,
+                 "pause_s": result.pause_s, "quiesce_s": self.quiesce_s,
                  "running_again_s": self.running_again_s,
                  "store_s": result.phases.get("store_s"), "hot": result.hot,
                  "duration_s": time.perf_counter() - self.t0}

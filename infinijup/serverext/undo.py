@@ -15,6 +15,16 @@ path undone stays in the history.
 
 An undo or redo asked for by the kernel itself (``%undo``) runs once the asking cell is done.
 
+Saving the state left made the user wait for its dump and store (an undo took 14x a restore).
+Where it can, the kernel left is set aside instead (engine/set_aside.py): quiesced and planned
+as a snapshot, it stays alive while the snapshot goes back in beside it, and is dumped, stored
+and ended behind the restored kernel, which answers meanwhile. Until that commit lands the
+kernel is ``storing``: a redo, undo or snapshot asked for then waits for it. Where the kernel
+cannot be set aside (no PID namespace, GPU state, too little free memory, or
+``undo_sets_aside`` off), the state left is stored first, as before. If the late dump or store
+fails, the failure is reported once, the kernel set aside is ended, and there is nothing to
+redo: the kernel the user has was never at risk.
+
 Redo lists outlive the server: each is kept in a record beside the store
 (``<store>-redo/<kernel id>.json``: the notebook's path and the commits), written at each undo
 and redo. A kernel with no list of its own (the first kernel of a notebook in a new server, or
@@ -30,9 +40,16 @@ import asyncio
 import time
 from pathlib import Path
 
-from ..errors import Conflict, InfinijupError
+from ..engine.lifecycle import RESTORING, RUNNING, STORING, Operation
+from ..engine.set_aside import SetAside
+from ..engine.steps import Steps
+from ..errors import Conflict, InfinijupError, RestoreFailed
+from ..gpu.room_plan import host_memory
 from ..store.thinned import thinned
 from . import kernel_records, snapshot_flow
+from .kernel_status import pages
+
+SET_ASIDE_SPARE = 256 << 20  # free memory a kernel set aside must leave, past its own size
 
 
 class UndoRedo:
@@ -42,6 +59,7 @@ class UndoRedo:
         self.records = records or store.with_name(store.name + "-redo")
         self.redo_lists: dict[str, list[str]] = {}  # kernel id -> commits to go back to
         self.paths: dict[str, str] = {}  # kernel id -> its notebook (as its record says)
+        self._pid_namespace: bool | None = None  # the helper gives kernels PID namespaces
 
     async def undo(self, kernel_id: str, from_kernel: bool = False) -> dict:
         return await self._run(kernel_id, "undo", from_kernel)
@@ -106,6 +124,7 @@ class UndoRedo:
         if what == "undo" and m.heads.get(kernel_id).commit is None:
             raise Conflict("nothing to undo: this kernel stands on no snapshot (take one, or "
                            "turn automatic snapshots on)", reason="nothing_to_undo")
+        await m.lifecycle.stored(kernel_id)  # a state an undo left, still being stored
         if what == "redo" and not await self._load(kernel_id):
             raise Conflict("nothing to redo", reason="nothing_to_redo")
         if not from_kernel:
@@ -126,6 +145,8 @@ class UndoRedo:
         m = self.m
         km = m.kernel(kernel_id)
         await m.wait_idle(km)
+        if await asyncio.to_thread(self.may_set_aside, kernel_id):
+            return await self._beside(kernel_id, what)
         t0 = time.perf_counter()
         # the user waits for it: stored at the server's priority, not niced as a background
         # automatic snapshot is
@@ -134,42 +155,222 @@ class UndoRedo:
         save_s = time.perf_counter() - t0
         here = saved["commit"]  # the state being left: HEAD, or the snapshot just taken
         repo = m.repo()
-        redo = await self._load(kernel_id)
+        await self._load(kernel_id)
         if what == "redo":
-            gone = thinned(repo)
-            while redo and (redo[-1] in gone or not repo.index.has_commit(redo[-1])):
-                # deleted from the panel since (or thinned by a server that had no record)
-                m.log.warning("infinijup: redo of %s skips %s: no longer in the store",
-                              kernel_id, redo.pop()[:12])
-                self._save(kernel_id)
-            if not redo:
-                raise Conflict("nothing to redo: the states undone are no longer in the "
-                               "store", reason="nothing_to_redo")
-            target = redo[-1]
+            target = self._target(kernel_id, what, here)
         else:
             # unchanged: HEAD's parent; changed: the snapshot just taken stands on HEAD, and
             # the cells since HEAD (too quick to snapshot) all go
             parents = repo.get_commit(here).parents
-            gone = thinned(repo)  # automatic snapshots thinned with age: further back
-            while parents and parents[0] in gone:
-                parents = repo.get_commit(parents[0]).parents
             if not parents:
                 raise Conflict("nothing to undo: the kernel is at the first snapshot of its "
                                "history", reason="nothing_to_undo")
-            target = parents[0]
+            target = self._target(kernel_id, what, parents[0])
         result = await m.restore_keeping_settings(kernel_id, target, quiet=True)
-        if what == "undo":
+        self._moved(kernel_id, what, here, target)
+        return self._answer(result, what, _cell(repo, here), target, save_s,
+                            saved=not saved.get("unchanged"), here=here)
+
+    def _target(self, kernel_id: str, what: str, start: str) -> str:
+        """Where the move goes: a redo, to the newest state on the list still in the store;
+        an undo, to ``start`` or the nearest older snapshot not thinned away."""
+        repo = self.m.repo()
+        gone = thinned(repo)  # automatic snapshots thinned with age: further back
+        if what == "redo":
+            redo = self.redo_lists.get(kernel_id) or []
+            while redo and (redo[-1] in gone or not repo.index.has_commit(redo[-1])):
+                # deleted from the panel since (or thinned by a server that had no record)
+                self.m.log.warning("infinijup: redo of %s skips %s: no longer in the store",
+                                   kernel_id, redo.pop()[:12])
+                self._save(kernel_id)
+            if not redo:
+                raise Conflict("nothing to redo: the states undone are no longer in the "
+                               "store", reason="nothing_to_redo")
+            return redo[-1]
+        at: str | None = start
+        while at is not None and at in gone:
+            parents = repo.get_commit(at).parents
+            at = parents[0] if parents else None
+        if at is None:
+            raise Conflict("nothing to undo: the kernel is at the first snapshot of its "
+                           "history", reason="nothing_to_undo")
+        return at
+
+    def _moved(self, kernel_id: str, what: str, here: str | None, target: str) -> None:
+        """The restore is done: the redo list says so (an undo's ``here`` may come later)."""
+        redo = self.redo_lists.setdefault(kernel_id, [])
+        if what == "undo" and here is not None:
             redo.append(here)
-        elif redo and redo[-1] == target:  # taken off only once the restore is done
+        elif what == "redo" and redo and redo[-1] == target:  # off once the restore is done
             redo.pop()
         self._save(kernel_id)
-        says = describe_move(what, _cell(repo, here), _cell(repo, target))
+
+    # --- undo beside the kernel it leaves ------------------------------------------------------
+    def may_set_aside(self, kernel_id: str) -> bool:
+        """Whether the kernel may be set aside while the undo restores (in a worker thread):
+        the setting, the helper's PID namespaces, no GPU state at its head, and memory free for
+        a second copy of it. The helper checks again what it alone can see."""
+        m = self.m
+        if not getattr(m, "undo_sets_aside", True):
+            return False
+        if self._pid_namespace is None:
+            try:
+                self._pid_namespace = bool(m.engine().helper.hello().features.get(
+                    "pid_namespace"))
+            except InfinijupError:
+                return False
+        if not self._pid_namespace:
+            return False
+        head = m.heads.get(kernel_id).commit
+        if head is None:
+            return False
+        commit = m.repo().get_commit(head)
+        meta = commit.metadata or {}
+        if meta.get("gpu") or meta.get("gpu_segments"):
+            return False
+        size = int((getattr(commit, "stats", None) or {}).get("image_bytes") or 0) or int(
+            (meta.get("stats") or {}).get("image_bytes") or 0)
+        available, _total = host_memory()
+        return available >= size + size // 4 + SET_ASIDE_SPARE
+
+    async def _beside(self, kernel_id: str, what: str) -> dict:
+        """The move with the kernel left set aside, not saved first (module docstring)."""
+        m = self.m
+        km = m.kernel(kernel_id)
+        prov = m.provisioner(km)
+        path = await m.notebook_path(kernel_id)
+        turn = await m.lifecycle.begin(kernel_id, RESTORING)
+        op = Operation("snapshot", kernel_id, path, quiet=True)
+        run = snapshot_flow.SnapshotRun(
+            m, km, prov, op, None, path=path, message=f"before {what}", thread=None,
+            from_kernel=False, execution_count=None, described=None, request_id=None)
+        run.skip_unchanged = run.auto = run.background = True
+        t0 = time.perf_counter()
+        aside: SetAside | None = None
+        await self._load(kernel_id)
+        try:
+            async with Steps(m.log) as step:
+                m.lifecycle.start_operation(op)
+                try:
+                    planned = await run.prepare(step)
+                finally:
+                    m.lifecycle.end_operation(op)
+                head = m.heads.get(kernel_id).commit
+                repo = m.repo()
+                parents = repo.get_commit(head).parents if head is not None else []
+                if head is None or (run.unchanged and what == "undo" and not parents):
+                    raise Conflict("nothing to undo: the kernel is at the first snapshot of "
+                                   "its history", reason="nothing_to_undo")
+                # unchanged: an undo goes to HEAD's parent; changed: to HEAD (the cells
+                # since, too quick to snapshot, all go)
+                start = parents[0] if run.unchanged and what == "undo" else head
+                target = self._target(kernel_id, what, start)
+                if run.unchanged:
+                    here_cell = _cell(repo, head)
+                    await run.goes_on_unchanged()
+                    save_s = time.perf_counter() - t0
+                    result = await m.restore_keeping_settings(kernel_id, target, quiet=True,
+                                                              within=turn)
+                    self._moved(kernel_id, what, head if what == "undo" else None, target)
+                    turn.to(RUNNING)
+                    return self._answer(result, what, here_cell, target, save_s, saved=False,
+                                        here=head)
+                here_cell = _meta_cell(planned.get("metadata") or {})
+                save_s = time.perf_counter() - t0
+                try:
+                    result = await m.restore_keeping_settings(kernel_id, target, quiet=True,
+                                                              within=turn, park=True)
+                except RestoreFailed as exc:
+                    if exc.reason != "cannot_park":
+                        raise
+                    m.log.info("infinijup: %s of %s stores the state it leaves first: %s",
+                               what, kernel_id, exc.message)
+                    return await self._save_first(step, run, planned, turn, kernel_id, what,
+                                                  target, here_cell, t0)
+                aside = result.pop("set_aside", None)
+        except BaseException:
+            if turn.state == RESTORING:
+                turn.back()
+            raise
+        self._moved(kernel_id, what, None, target)
+        if aside is None:  # (the helper ended it after all)
+            turn.to(RUNNING)
+        else:
+            turn.to(STORING)
+            m.spawn(self._store_aside(run, planned, aside, turn, kernel_id, what))
+        return self._answer(result, what, here_cell, target, save_s, saved=True, here=None)
+
+    async def _save_first(self, step: Steps, run, planned: dict, turn, kernel_id: str,  # noqa: ANN001
+                          what: str, target: str, here_cell, t0: float) -> dict:
+        """The helper could not set the kernel aside: its state is stored first (it is
+        still quiesced), then the restore."""
+        m = self.m
+        m.lifecycle.start_operation(run.op)
+        try:
+            stored = run.record(await run.take(step, planned))
+        finally:
+            m.lifecycle.end_operation(run.op)
+        here = stored["commit"]
+        save_s = time.perf_counter() - t0
+        result = await m.restore_keeping_settings(kernel_id, target, quiet=True, within=turn)
+        self._moved(kernel_id, what, here, target)
+        turn.to(RUNNING)
+        return self._answer(result, what, here_cell, target, save_s, saved=True, here=here)
+
+    def _answer(self, result: dict, what: str, here_cell, target: str, save_s: float,  # noqa: ANN001
+                *, saved: bool, here: str | None) -> dict:
+        """``from``: the commit of the state left (None while it is still being stored:
+        ``saving``)."""
+        says = describe_move(what, here_cell, _cell(self.m.repo(), target))
         return {**result, "phases": {**result.get("phases", {}), "save_s": save_s},
-                "from": here, "saved": not saved.get("unchanged"), "says": says}
+                "from": here, "saved": saved, "saving": saved and here is None, "says": says}
+
+    async def _store_aside(self, run, planned: dict, aside: SetAside, turn,  # noqa: ANN001
+                           kernel_id: str, what: str) -> None:
+        """Behind the restored kernel: dump the kernel set aside (which ends it), store it as
+        the state left, and put it on the redo list. Its failure is reported once; the
+        kernel set aside is ended either way."""
+        m, op = self.m, run.op
+        m.lifecycle.start_operation(op)
+        try:
+            km = m.kernel(kernel_id)
+            for _ in range(600):  # the restored kernel's memory first (it streams in)
+                now = await pages(km)
+                if now is None or now.get("state") != "streaming":
+                    break
+                await asyncio.sleep(0.2)
+            m.events.emit(op, "dump", 30)
+            result = await asyncio.to_thread(
+                m.engine().snapshot, aside.pid, message=run.message,
+                on_progress=m.events.progress(op), replan=run.replan, background=True,
+                leave_running=False, **planned)
+            stored = run.record(result, head=False)
+            if what == "undo":
+                self.redo_lists.setdefault(kernel_id, []).append(stored["commit"])
+                self._save(kernel_id)
+        except Exception as exc:  # noqa: BLE001 - reported once; the user's kernel runs on
+            message = getattr(exc, "message", str(exc))
+            m.log.warning("infinijup: the state %s of %s left could not be stored (%s); there "
+                          "is nothing to redo to", what, kernel_id, message)
+            m.events.failed(op, exc)
+            if aside.process.alive():
+                try:
+                    await asyncio.to_thread(m.engine().helper.kill, aside.pid)
+                except InfinijupError as kill_exc:
+                    m.log.warning("infinijup: ending the kernel set aside (pid %d) failed: %s",
+                                  aside.pid, kill_exc.message)
+        finally:
+            aside.close()
+            m.lifecycle.end_operation(op)
+            if turn.state == STORING:
+                turn.to(RUNNING)
 
 
 def _cell(repo, commit_id: str) -> tuple[int | None, str]:  # noqa: ANN001
-    meta = repo.get_commit(commit_id).metadata or {}
+    return _meta_cell(repo.get_commit(commit_id).metadata or {})
+
+
+def _meta_cell(meta: dict) -> tuple[int | None, str]:
     cell = meta.get("cell") or {}
     count = cell.get("execution_count")
     return (count if isinstance(count, int) else None, str(cell.get("source") or ""))

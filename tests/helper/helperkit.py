@@ -6,6 +6,7 @@ missing; the protocol parser tests run anywhere.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import queue
@@ -149,6 +150,30 @@ def make_base() -> Path:
     base = Path(tempfile.mkdtemp(prefix="ijh-"))
     os.chmod(base, 0o755)
     return base
+
+
+@contextlib.contextmanager
+def own_helper(*extra_args: str, holds: bool = False) -> Iterator[HelperDaemon]:
+    """A helper of a test module's own: other options, hold points (``holds``: its
+    ``holds_dir``, infinijup_helper/holds.py)."""
+    holds_dir = Path(make_base()) / "holds" if holds else None
+    extra_env = {}
+    if holds_dir is not None:
+        holds_dir.mkdir()
+        extra_env["INFINIJUP_HELPER_HOLDS"] = str(holds_dir)
+    daemon = HelperDaemon(make_base(), extra_args=extra_args, extra_env=extra_env)
+    daemon.holds_dir = str(holds_dir) if holds_dir is not None else None  # type: ignore[attr-defined]
+    daemon.start()
+    try:
+        yield daemon
+    finally:
+        if holds_dir is not None:
+            for entry in holds_dir.iterdir():
+                entry.unlink()
+        daemon.stop()
+        shutil.rmtree(daemon.base, ignore_errors=True)
+        if holds_dir is not None:
+            shutil.rmtree(holds_dir.parent, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -6,14 +6,13 @@ helper's reaper has swept its stray zombies (5 to 10 s later)."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helperkit import HelperDaemon, Kernel, make_base, needs_root_and_criu, wait_for
+from helperkit import HelperDaemon, Kernel, needs_root_and_criu, own_helper, wait_for
 
 from infinijup.errors import InfinijupError
 
@@ -23,18 +22,8 @@ pytestmark = needs_root_and_criu
 @pytest.fixture(scope="module")
 def helper() -> Iterator[HelperDaemon]:
     """This module's own helper: no PID namespace, with hold points (holds.py)."""
-    holds = Path(make_base()) / "holds"
-    holds.mkdir()
-    daemon = HelperDaemon(make_base(), extra_args=("--pid-namespace", "never"),
-                          extra_env={"INFINIJUP_HELPER_HOLDS": str(holds)})
-    daemon.holds_dir = str(holds)  # type: ignore[attr-defined]
-    daemon.start()
-    yield daemon
-    for entry in holds.iterdir():
-        entry.unlink()
-    daemon.stop()
-    shutil.rmtree(daemon.base, ignore_errors=True)
-    shutil.rmtree(holds.parent, ignore_errors=True)
+    with own_helper("--pid-namespace", "never", holds=True) as daemon:
+        yield daemon
 
 
 def _children(pid: int) -> list[int]:

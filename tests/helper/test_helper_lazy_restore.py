@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helperkit import HelperDaemon, Kernel, make_base, needs_root_and_criu
+from helperkit import HelperDaemon, Kernel, needs_root_and_criu, own_helper
 
 pytestmark = needs_root_and_criu
 
@@ -28,17 +28,8 @@ CHECK = "hashlib.blake2b(blob).hexdigest() == digest"
 @pytest.fixture(scope="module")
 def helper() -> Iterator[HelperDaemon]:
     """This module's own helper, with hold points (infinijup_helper/holds.py)."""
-    holds = Path(make_base()) / "holds"
-    holds.mkdir()
-    daemon = HelperDaemon(make_base(), extra_env={"INFINIJUP_HELPER_HOLDS": str(holds)})
-    daemon.holds_dir = str(holds)  # type: ignore[attr-defined]
-    daemon.start()
-    yield daemon
-    for entry in holds.iterdir():
-        entry.unlink()
-    daemon.stop()
-    shutil.rmtree(daemon.base, ignore_errors=True)
-    shutil.rmtree(holds.parent, ignore_errors=True)
+    with own_helper(holds=True) as daemon:
+        yield daemon
 
 
 def _wait(predicate, what: str, timeout: float = 120.0):  # noqa: ANN001, ANN202
