@@ -45,6 +45,7 @@ from ..engine.set_aside import SetAside
 from ..engine.steps import Steps
 from ..errors import Conflict, InfinijupError, RestoreFailed
 from ..gpu.room_plan import host_memory
+from ..store.faults import holdpoint
 from ..store.thinned import thinned
 from . import kernel_records, snapshot_flow
 from .kernel_status import pages
@@ -339,6 +340,7 @@ class UndoRedo:
                 if now is None or now.get("state") != "streaming":
                     break
                 await asyncio.sleep(0.2)
+            await asyncio.to_thread(holdpoint, "set_aside")  # (tests hold it here)
             m.events.emit(op, "dump", 30)
             result = await asyncio.to_thread(
                 m.engine().snapshot, aside.pid, message=run.message,
