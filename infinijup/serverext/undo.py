@@ -355,13 +355,13 @@ class UndoRedo:
             m.log.warning("infinijup: the state %s of %s left could not be stored (%s); there "
                           "is nothing to redo to", what, kernel_id, message)
             m.events.failed(op, exc)
+        finally:  # (also when the server stops meanwhile: the kernel set aside goes with it)
             if aside.process.alive():
                 try:
-                    await asyncio.to_thread(m.engine().helper.kill, aside.pid)
-                except InfinijupError as kill_exc:
+                    m.engine().helper.kill(aside.pid)
+                except InfinijupError as exc:
                     m.log.warning("infinijup: ending the kernel set aside (pid %d) failed: %s",
-                                  aside.pid, kill_exc.message)
-        finally:
+                                  aside.pid, exc.message)
             aside.close()
             m.lifecycle.end_operation(op)
             if turn.state == STORING:
