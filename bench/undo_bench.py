@@ -3,8 +3,8 @@ restore of the same snapshot (issue 30's aim: within 1.5x), through a real `jupy
 the helper and CRIU, both ways side by side in one run: the kernel left is set aside and stored
 behind the undo (``undo_sets_aside``, the default: serverext/undo.py), or stored first (off).
 
-Per working set (``--mib``), one server per way on one helper, each with its own store and a
-kernel holding that many MiB of random numbers, snapshotted by hand. Then ``--runs`` times, in
+Per working set (``--mib``), one server per way, each with its own helper (so its own hot
+tier), its own store and a kernel holding that many MiB of random numbers, snapshotted by hand. Then ``--runs`` times, in
 turn on each server: a quick cell changes the kernel (no snapshot of it); undo, timed to its
 first answered cell; redo (it waits for the state left, and goes back to it); a restore of the
 undo's snapshot, timed the same way; a restore back. Printed: each run's times (with
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests" / "helper"), str(ROOT / "tests" / "reliability"),
                 str(ROOT / "bench")]
 from autosnap_bench import timed_post, verbose  # noqa: E402
-from benchkit import helper_in_base, markdown_table  # noqa: E402
+from benchkit import HelperDaemon, helper_in_base, markdown_table  # noqa: E402
 from reliakit import ServerProcess  # noqa: E402
 from wake_bench import run_cell  # noqa: E402
 
@@ -60,49 +60,60 @@ async def undo_once(server: ServerProcess, kernel_id: str, ws, i: int) -> tuple[
 
 async def main_async(args) -> None:  # noqa: ANN001
     rows = []
-    with helper_in_base() as (base, helper):
-        for mib in args.mib:
-            servers, kernels = [], []
-            try:
-                for n, (_way, aside) in enumerate(WAYS):
-                    server = ServerProcess(base / f"server-{mib}-{n}", helper.socket_path,
-                                           str(base / f"store-{mib}-{n}"), base / "notebooks",
-                                           manager_config={"undo_sets_aside": aside})
-                    server.start()
-                    servers.append(server)
-                    kernel_id = server.open_session(f"bench-undo-{uuid.uuid4().hex[:6]}.ipynb")
-                    ws = await server.websocket(kernel_id)
-                    n_values = mib * 2**20 // 8
-                    await run_cell(ws, "import numpy as np\n"
-                                       f"data = np.random.default_rng(7).random({n_values})")
-                    code, body = server.request("POST", "/infinijup/snapshot",
-                                                {"kernel_id": kernel_id})
-                    assert code == 201, body
-                    kernels.append((kernel_id, ws))
-                times: list[list[tuple[float, float]]] = [[] for _ in WAYS]
-                for r in range(args.runs):
-                    for n, (way, _) in enumerate(WAYS):
-                        kernel_id, ws = kernels[n]
-                        undo_s, restore_s = await undo_once(servers[n], kernel_id, ws, r)
-                        times[n].append((undo_s, restore_s))
-                        print(f"{mib} MiB, run {r + 1}, {way}: undo {undo_s:.2f} s, restore "
-                              f"{restore_s:.2f} s (load {os.getloadavg()[0]:.1f})", flush=True)
-                for n, (way, _) in enumerate(WAYS):
-                    undo = statistics.median(u for u, _ in times[n])
-                    restore = statistics.median(r for _, r in times[n])
-                    rows.append({"set": f"{mib} MiB", "way": way, "undo": f"{undo:.2f} s",
-                                 "restore": f"{restore:.2f} s",
-                                 "ratio": f"{undo / restore:.2f}x", "runs": args.runs})
-            finally:
-                for _kernel_id, ws in kernels:
-                    ws.close()
-                for n, server in enumerate(servers):
-                    server.stop()
-                    shutil.rmtree(base / f"store-{mib}-{n}", ignore_errors=True)
+    with helper_in_base() as (base, first_helper):
+        (base / "second-helper").mkdir()
+        second = HelperDaemon(base / "second-helper")  # a hot tier of its own
+        second.start()
+        helpers = [first_helper, second]
+        try:
+            await ways(args, base, helpers, rows)
+        finally:
+            second.stop()
     print(markdown_table(rows, [("set", "working set"), ("way", "the state left"),
                                 ("undo", "undo of a changed kernel, to first cell"),
                                 ("restore", "restore of the same, to first cell"),
                                 ("ratio", "undo / restore (aim 1.5x)"), ("runs", "runs")]))
+
+
+async def ways(args, base: Path, helpers: list, rows: list[dict]) -> None:  # noqa: ANN001
+    for mib in args.mib:
+        servers, kernels = [], []
+        try:
+            for n, (_way, aside) in enumerate(WAYS):
+                server = ServerProcess(base / f"server-{mib}-{n}", helpers[n].socket_path,
+                                       str(base / f"store-{mib}-{n}"), base / "notebooks",
+                                       manager_config={"undo_sets_aside": aside})
+                server.start()
+                servers.append(server)
+                kernel_id = server.open_session(f"bench-undo-{uuid.uuid4().hex[:6]}.ipynb")
+                ws = await server.websocket(kernel_id)
+                n_values = mib * 2**20 // 8
+                await run_cell(ws, "import numpy as np\n"
+                                   f"data = np.random.default_rng(7).random({n_values})")
+                code, body = server.request("POST", "/infinijup/snapshot",
+                                            {"kernel_id": kernel_id})
+                assert code == 201, body
+                kernels.append((kernel_id, ws))
+            times: list[list[tuple[float, float]]] = [[] for _ in WAYS]
+            for r in range(args.runs):
+                for n, (way, _) in enumerate(WAYS):
+                    kernel_id, ws = kernels[n]
+                    undo_s, restore_s = await undo_once(servers[n], kernel_id, ws, r)
+                    times[n].append((undo_s, restore_s))
+                    print(f"{mib} MiB, run {r + 1}, {way}: undo {undo_s:.2f} s, restore "
+                          f"{restore_s:.2f} s (load {os.getloadavg()[0]:.1f})", flush=True)
+            for n, (way, _) in enumerate(WAYS):
+                undo = statistics.median(u for u, _ in times[n])
+                restore = statistics.median(r for _, r in times[n])
+                rows.append({"set": f"{mib} MiB", "way": way, "undo": f"{undo:.2f} s",
+                             "restore": f"{restore:.2f} s",
+                             "ratio": f"{undo / restore:.2f}x", "runs": args.runs})
+        finally:
+            for _kernel_id, ws in kernels:
+                ws.close()
+            for n, server in enumerate(servers):
+                server.stop()
+                shutil.rmtree(base / f"store-{mib}-{n}", ignore_errors=True)
 
 
 def main() -> None:
