@@ -17,8 +17,9 @@ quick cells); how many cells were snapshotted, and the largest share a snapshot 
 followed (that cell's time on minus off: the whole wait, not only the frozen time). Then, on the
 "on" kernel: undo to the first answered cell against a restore of
 the same snapshot to the first answered cell, ``--repeat`` times. The first undo finds the
-kernel changed since its last snapshot (the quick cells after it), so it saves that state
-before it goes back (as a user's undo after a few quick cells does): it is reported alone. The
+kernel changed since its last snapshot (the quick cells after it), so it keeps that state
+(set aside and stored behind the undo, or stored first: undo.py), as a user's undo after a few
+quick cells does: it is reported alone (bench/undo_bench.py compares the two ways). The
 later ones find the kernel unchanged: their median. ``INFINIJUP_BENCH_VERBOSE=1`` prints each
 undo's and restore's phases (the save, the checkout, CRIU's restore, the first answer).
 
@@ -126,14 +127,16 @@ async def undo_against_restore(server, kernel_id, ws, repeat: int) -> dict:
         undo_s.append(time.perf_counter() - t0)
         saved.append(bool(moved.get("saved")))
         verbose("undo", moved)
-        verbose("redo", timed_post(server, "redo", {"kernel_id": kernel_id}))
+        redone = timed_post(server, "redo", {"kernel_id": kernel_id})  # (waits for the state
+        verbose("redo", redone)  # left, where the undo set the kernel aside: undo.py)
+        here = moved["from"] or redone["commit"]
         await run_cell(ws, "1")
         t0 = time.perf_counter()
         back = timed_post(server, "restore", {"kernel_id": kernel_id, "commit": moved["commit"]})
         await run_cell(ws, "1")
         restore_s.append(time.perf_counter() - t0)
         verbose("restore", back)
-        timed_post(server, "restore", {"kernel_id": kernel_id, "commit": moved["from"]})
+        timed_post(server, "restore", {"kernel_id": kernel_id, "commit": here})
         await run_cell(ws, "1")
     out = {"restore": statistics.median(restore_s)}
     if saved and saved[0]:

@@ -212,8 +212,8 @@ class UndoRedo:
         the setting, the helper's PID namespaces, no GPU state at its head, and memory free for
         a second copy of it. The helper checks again what it alone can see."""
         m = self.m
-        if not getattr(m, "undo_sets_aside", True):
-            return False
+        if not getattr(m, "undo_sets_aside", True) or m.lifecycle.state(kernel_id) != RUNNING:
+            return False  # (a hibernated or released kernel: the way before says why not)
         if self._pid_namespace is None:
             try:
                 self._pid_namespace = bool(m.engine().helper.hello().features.get(
