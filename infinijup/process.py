@@ -31,6 +31,27 @@ def start_time(pid: int) -> int | None:
     return int(fields[19])
 
 
+def tree_rss(root: int) -> int:
+    """Resident bytes of a process and its descendants (0 for what cannot be read)."""
+    total, todo, seen = 0, [root], set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+                        break
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                todo.extend(int(c) for c in f.read().split())
+        except (OSError, ValueError):
+            continue
+    return total
+
+
 @dataclass
 class TrackedProcess:
     """A process we watch by pid, robust to pid reuse."""

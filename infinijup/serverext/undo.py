@@ -45,6 +45,7 @@ from ..engine.set_aside import SetAside
 from ..engine.steps import Steps
 from ..errors import Conflict, InfinijupError, RestoreFailed
 from ..gpu.room_plan import host_memory
+from ..process import tree_rss
 from ..store.faults import holdpoint
 from ..store.thinned import thinned
 from . import kernel_records, snapshot_flow
@@ -210,7 +211,8 @@ class UndoRedo:
     def may_set_aside(self, kernel_id: str) -> bool:
         """Whether the kernel may be set aside while the undo restores (in a worker thread):
         the setting, the helper's PID namespaces, no GPU state at its head, and memory free for
-        a second copy of it. The helper checks again what it alone can see."""
+        a second copy of it (its size at its head or now, whichever is more). The helper checks
+        again what it alone can see."""
         m = self.m
         if not getattr(m, "undo_sets_aside", True) or m.lifecycle.state(kernel_id) != RUNNING:
             return False  # (a hibernated or released kernel: the way before says why not)
@@ -229,8 +231,10 @@ class UndoRedo:
         meta = commit.metadata or {}
         if meta.get("gpu") or meta.get("gpu_segments"):
             return False
-        size = int((getattr(commit, "stats", None) or {}).get("image_bytes") or 0) or int(
-            (meta.get("stats") or {}).get("image_bytes") or 0)
+        size = int((getattr(commit, "stats", None) or {}).get("image_bytes") or 0)
+        root = m.provisioner(m.kernel(kernel_id)).root_pid
+        if root is not None:  # (it may have grown since its head)
+            size = max(size, tree_rss(root))
         available, _total = host_memory()
         return available >= size + size // 4 + SET_ASIDE_SPARE
 

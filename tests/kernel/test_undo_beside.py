@@ -140,3 +140,16 @@ async def test_a_kernel_that_cannot_be_set_aside_is_saved_first(notebook, tmp_pa
     assert r.code == 200, r.body
     assert await nb.value("x") == 2
     assert await nb.value("cuda_map[:4]") == b"\x7fELF"
+
+
+async def test_with_too_little_free_memory_the_state_left_is_stored_first(
+        notebook, monkeypatch, sets_aside):
+    """A second copy of the kernel would not fit (the machine's free memory read as none)."""
+    from infinijup.serverext import undo as undo_module
+
+    nb = notebook
+    await standing_on_a_snapshot_then_changed(nb)
+    monkeypatch.setattr(undo_module, "host_memory", lambda: (0, 64 << 30))
+    moved = await undo(nb)
+    assert moved["saving"] is False and moved["from"] is not None, moved
+    assert await nb.value("x") == 1
