@@ -134,42 +134,35 @@ def shut_accepted(pidfds: dict[int, int]) -> int:
     listener carries the listener's own address, which is how its connections are told from
     others. Unix sockets (the server's ipc endpoints) and TCP (a kernel on ports). Returns
     how many listeners were shut down."""
-    socks = _stream_sockets(pidfds)
-    try:
-        listening = {_name(s) for s in socks if _listens(s)}
-        listening.discard(None)
-        shut = 0
-        for s in socks:
-            if _name(s) in listening:
-                listener = _listens(s)  # (a TCP listener shut down listens no more)
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    continue
-                shut += listener
-        return shut
-    finally:
-        for s in socks:
-            s.close()
+    return _shut(pidfds, listeners=True)[0]
 
 
 def shut_connections(pidfds: dict[int, int]) -> int:
     """Shut down, both ways, every connection the listening sockets of these processes
     accepted, and no listener (a kernel set aside by an undo: it is dumped later, listening
     as it did). Returns how many were shut down."""
+    return _shut(pidfds, listeners=False)[1]
+
+
+def _shut(pidfds: dict[int, int], listeners: bool) -> tuple[int, int]:
+    """(listeners, connections) shut down: see shut_accepted."""
     socks = _stream_sockets(pidfds)
     try:
         listening = {_name(s) for s in socks if _listens(s)}
         listening.discard(None)
-        shut = 0
+        shut = [0, 0]
         for s in socks:
-            if _name(s) in listening and not _listens(s):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    continue
-                shut += 1
-        return shut
+            if _name(s) not in listening:
+                continue
+            listener = _listens(s)  # (a TCP listener shut down listens no more)
+            if listener and not listeners:
+                continue
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                continue
+            shut[0 if listener else 1] += 1
+        return shut[0], shut[1]
     finally:
         for s in socks:
             s.close()

@@ -7,4 +7,5 @@ from kernelkit import (  # noqa: F401 - fixtures, found by name
     jp_server_config,
     needs_helper,
     notebook,
+    operation_events,
 )

@@ -173,6 +173,22 @@ class Notebook:
             await self.fetch("api", "kernels", self.kernel_id, method="DELETE", raise_error=False)
 
 
+OPERATION_EVENTS = "https://events.infinijup.dev/operation"
+
+
+@pytest.fixture
+def operation_events(jp_serverapp) -> list[dict]:
+    """Every operation event the server emits from now on (its listeners run as tasks: let
+    them drain before looking)."""
+    seen: list[dict] = []
+
+    async def listener(logger, schema_id, data):  # noqa: ANN001
+        seen.append(dict(data))
+
+    jp_serverapp.event_logger.add_listener(schema_id=OPERATION_EVENTS, listener=listener)
+    return seen
+
+
 @pytest.fixture
 def notebook(jp_fetch, jp_ws_fetch, jp_serverapp, infinijup_kernelspec, jp_asyncio_loop):
     # pytest-jupyter runs async tests on its own loop: drive the fixture's coroutines there.

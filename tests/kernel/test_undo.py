@@ -165,18 +165,11 @@ async def test_old_automatic_snapshots_are_thinned_and_undo_stops_there(notebook
     assert r.code == 409 and json.loads(r.body)["reason"] == "nothing_to_undo", r.body
 
 
-async def test_automatic_snapshots_and_undo_steps_are_quiet_events(notebook, jp_serverapp):
+async def test_automatic_snapshots_and_undo_steps_are_quiet_events(notebook, operation_events):
     """Lab notifies of every operation on an open notebook's kernel, except those its events
     mark quiet: automatic snapshots and the snapshot and restore inside an undo (the undo says
     where it went). A snapshot the user asks for is not quiet."""
-    nb = notebook
-    seen: list[dict] = []
-
-    async def listener(logger, schema_id, data):  # noqa: ANN001
-        seen.append(dict(data))
-
-    jp_serverapp.event_logger.add_listener(
-        schema_id="https://events.infinijup.dev/operation", listener=listener)
+    nb, seen = notebook, operation_events
     await nb.execute("import time")
     manual = await nb.snapshot(message="by hand")
     await run(nb, SLOW + "x = 1")  # slow: an automatic snapshot

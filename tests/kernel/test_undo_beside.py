@@ -95,15 +95,8 @@ async def test_the_undone_kernel_answers_before_the_state_left_is_stored(
 
 
 async def test_a_late_save_that_fails_is_reported_and_leaves_the_kernel_running(
-        notebook, holds, jp_serverapp, sets_aside):
-    nb = notebook
-    seen: list[dict] = []
-
-    async def listener(logger, schema_id, data):  # noqa: ANN001
-        seen.append(dict(data))
-
-    jp_serverapp.event_logger.add_listener(
-        schema_id="https://events.infinijup.dev/operation", listener=listener)
+        notebook, holds, jp_serverapp, sets_aside, operation_events):
+    nb, seen = notebook, operation_events
     await standing_on_a_snapshot_then_changed(nb)
     (holds / "set_aside").touch()
     await undo(nb)
