@@ -358,8 +358,9 @@ class CriuDump(StageBase):
                                    externals=tree_socket_ids(job.pid))
                     return
                 except CriuFailed as exc:
-                    # a connection accepted after the sockets were listed: CRIU resumed the
-                    # tree; list them again and dump again
+                    # a connection accepted after the sockets were listed, or dropped before
+                    # the frozen kernel accepted it: CRIU resumed the tree; list them again and
+                    # dump again
                     if attempt + 1 == DUMP_TRIES or not is_new_connection(str(exc)):
                         raise
                     log.info("pid %d: a connection came during the dump; dumping again", job.pid)

@@ -36,6 +36,9 @@ from .proc import pidfd_getfd, tree_members
 USK_EXTERN = 1  # CRIU's sk-unix.c: a socket outside the dumped tree
 _SOCKET = re.compile(r"^socket:\[(\d+)\]$")
 NEW_CONNECTION = "External socket is used"  # CRIU's message for an unlisted external peer
+# ... and for a connection a listener had not accepted when the tree was frozen, whose client
+# has gone since (CRIU cannot tell what it sent)
+DROPPED_CONNECTION = "Found a closed in-flight socket"
 MAX_EXTERNAL = 4096
 
 
@@ -59,8 +62,10 @@ def tree_socket_ids(root: int) -> list[str]:
 
 
 def is_new_connection(message: str) -> bool:
-    """Whether a failed dump failed on a connection made after the sockets were listed."""
-    return NEW_CONNECTION in message
+    """Whether a failed dump failed on a connection made after the sockets were listed, or
+    made and dropped while the tree was frozen (once thawed, the kernel accepts it): a dump
+    tried again succeeds."""
+    return NEW_CONNECTION in message or DROPPED_CONNECTION in message
 
 
 def detached_inodes(files: list) -> list[int]:
