@@ -11,11 +11,9 @@ running kernel is touched. Only then does the helper replace the kernel with the
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import re
 import shutil
-import stat
 import time
 import uuid
 from collections.abc import Callable
@@ -31,6 +29,7 @@ from ..store.objects import Blob, File
 from ..store.thinned import CommitThinned
 from ..store.writer import entries_from_dir
 from . import criu_hints
+from .extra_files import copy_sparse, data_bytes, open_extra
 from .hot_tier import HotTier, _allocated
 from .ingest_progress import CountingWriter, IngestProgress, Progress
 from .niced import run_niced
@@ -71,71 +70,6 @@ class RestoreResult:
     pid: int
     duration_s: float
     phases: dict = field(default_factory=dict)
-
-
-def _open_extra(paths: dict[str, str]) -> dict[str, int]:
-    """Open each file (never through a symlink, only one of this user), shared-locked."""
-    out: dict[str, int] = {}
-    try:
-        for name, path in paths.items():
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            out[name] = fd
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                raise SnapshotFailed(f"snapshot failed: {path} is not a file of this user")
-            fcntl.flock(fd, fcntl.LOCK_SH)
-    except OSError as exc:
-        for fd in out.values():
-            os.close(fd)
-        raise SnapshotFailed(f"snapshot failed: the kernel's {exc.filename or 'file'} cannot "
-                             f"be read: {exc.strerror}") from exc
-    except BaseException:
-        for fd in out.values():
-            os.close(fd)
-        raise
-    return out
-
-
-def _data_ranges(fd: int):  # noqa: ANN202
-    """(offset, length) of the data of a file, holes left out (SEEK_DATA / SEEK_HOLE)."""
-    size = os.fstat(fd).st_size
-    at = 0
-    while at < size:
-        try:
-            start = os.lseek(fd, at, os.SEEK_DATA)
-        except OSError:  # ENXIO: only a hole is left
-            return
-        end = os.lseek(fd, start, os.SEEK_HOLE)
-        yield start, end - start
-        at = end
-
-
-def _data_bytes(fd: int) -> int:
-    return sum(n for _, n in _data_ranges(fd))
-
-
-def _copy_sparse(fd: int, target: Path) -> None:
-    """Copy the file open at ``fd`` to ``target`` (new, 0600), its holes left holes."""
-    size = os.fstat(fd).st_size
-    out = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        os.ftruncate(out, size)
-        for start, length in _data_ranges(fd):
-            done = 0
-            while done < length:
-                at, left = start + done, length - done
-                try:
-                    n = os.copy_file_range(fd, out, left, at, at)
-                except OSError as exc:  # across filesystems (EXDEV), or not supported
-                    if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS,
-                                         errno.EOPNOTSUPP):
-                        raise
-                    n = os.pwrite(out, os.pread(fd, min(left, 8 << 20), at), at)
-                if n == 0:
-                    raise OSError(errno.EIO, f"short copy into {target}")
-                done += n
-    finally:
-        os.close(out)
 
 
 class SnapshotEngine:
@@ -232,7 +166,7 @@ class SnapshotEngine:
         t0 = time.perf_counter()
         dumped = self.dump(pid, on_progress, leave_running=leave_running)
         try:
-            dumped.extra.update(_open_extra(extra_files or {}))
+            dumped.extra.update(open_extra(extra_files or {}))
         except BaseException:
             self._discard(dumped.images)
             raise
@@ -363,11 +297,11 @@ class SnapshotEngine:
             return False
         try:
             if dumped.extra:
-                extra = sum(_data_bytes(fd) for fd in dumped.extra.values())
+                extra = sum(data_bytes(fd) for fd in dumped.extra.values())
                 if _allocated(dumped.images) + extra > self.hot_tier().budget:
                     return False
                 for name, fd in dumped.extra.items():
-                    _copy_sparse(fd, dumped.images / name)
+                    copy_sparse(fd, dumped.images / name)
             return self.hot_tier().keep(dumped.images, commit, self.repo.get_tree(commit.tree))
         except (OSError, InfinijupError):
             return False  # a cache: the commit is in the store either way

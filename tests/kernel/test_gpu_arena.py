@@ -10,7 +10,7 @@ import pwd
 
 import pytest
 
-from infinijup.engine.engine import _open_extra
+from infinijup.engine.extra_files import open_extra
 from infinijup.errors import SnapshotFailed
 from infinijup.gpu import arena
 from infinijup.kernel_magics import agent
@@ -87,7 +87,7 @@ def test_a_restore_sets_the_segments_aside_and_a_kernel_end_removes_its_arena(ro
 def test_the_store_takes_only_a_regular_file_of_this_user_never_through_a_link(tmp_path):
     f = tmp_path / "segments"
     f.write_bytes(b"z" * 4096)
-    fds = _open_extra({"gpu-segments": str(f)})
+    fds = open_extra({"gpu-segments": str(f)})
     try:
         assert os.fstat(fds["gpu-segments"]).st_size == 4096
     finally:
@@ -96,11 +96,11 @@ def test_the_store_takes_only_a_regular_file_of_this_user_never_through_a_link(t
     link = tmp_path / "link"
     link.symlink_to(f)
     with pytest.raises(SnapshotFailed):
-        _open_extra({"gpu-segments": str(link)})
+        open_extra({"gpu-segments": str(link)})
     with pytest.raises(SnapshotFailed):
-        _open_extra({"gpu-segments": str(tmp_path / "missing")})
+        open_extra({"gpu-segments": str(tmp_path / "missing")})
     with pytest.raises(SnapshotFailed):
-        _open_extra({"gpu-segments": str(tmp_path)})  # a directory
+        open_extra({"gpu-segments": str(tmp_path)})  # a directory
 
 
 def test_what_a_kernel_says_about_its_segments_is_checked_field_by_field():
@@ -119,7 +119,7 @@ def test_what_a_kernel_says_about_its_segments_is_checked_field_by_field():
 
 def test_the_hot_copy_of_the_segments_keeps_their_holes(tmp_path):
     """Dead ranges are holes in the arena file: the hot tier's copy must not fill them in."""
-    from infinijup.engine.engine import _copy_sparse, _data_bytes
+    from infinijup.engine.extra_files import copy_sparse, data_bytes
 
     src = tmp_path / "segments"
     with open(src, "wb") as f:
@@ -130,8 +130,8 @@ def test_the_hot_copy_of_the_segments_keeps_their_holes(tmp_path):
         f.write(b"b" * 4096)
     fd = os.open(src, os.O_RDONLY)
     try:
-        assert _data_bytes(fd) <= (1 << 20) + 2 * 4096
-        _copy_sparse(fd, tmp_path / "copy")
+        assert data_bytes(fd) <= (1 << 20) + 2 * 4096
+        copy_sparse(fd, tmp_path / "copy")
     finally:
         os.close(fd)
     copy = tmp_path / "copy"
