@@ -31,22 +31,29 @@ def start_time(pid: int) -> int | None:
     return int(fields[19])
 
 
+def tree_pids(root: int) -> list[int]:
+    """``root`` and its descendants (those that can be read), through /proc's children."""
+    pids, queue = [], [root]
+    while queue:
+        pid = queue.pop()
+        pids.append(pid)
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    queue.extend(int(x) for x in f.read().split())
+        except OSError:
+            continue
+    return pids
+
+
 def tree_rss(root: int) -> int:
     """Resident bytes of a process and its descendants (0 for what cannot be read)."""
-    total, todo, seen = 0, [root], set()
-    while todo:
-        pid = todo.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
+    total = 0
+    for pid in tree_pids(root):
         try:
             with open(f"/proc/{pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1]) * 1024
-                        break
-            with open(f"/proc/{pid}/task/{pid}/children") as f:
-                todo.extend(int(c) for c in f.read().split())
+                total += next((int(line.split()[1]) * 1024 for line in f
+                               if line.startswith("VmRSS:")), 0)
         except (OSError, ValueError):
             continue
     return total

@@ -4,7 +4,7 @@ back (serverext/hibernation.py)."""
 
 from __future__ import annotations
 
-import os
+from ..process import tree_pids
 
 
 def free_by_gpu() -> dict[str, int]:
@@ -29,12 +29,12 @@ def held_by_tree(root: int, report=None) -> dict[str, int]:  # noqa: ANN001
     NVML reading to use, for several kernels at once)."""
     from .preflight import read_nvml
 
-    return (report or read_nvml()).usage_by_gpu(set(_tree(root)))
+    return (report or read_nvml()).usage_by_gpu(set(tree_pids(root)))
 
 
 def uses_cuda(root: int) -> bool:
     """Does any process of the tree at ``root`` map the CUDA driver?"""
-    for pid in _tree(root):
+    for pid in tree_pids(root):
         try:
             with open(f"/proc/{pid}/maps") as f:
                 if any("libcuda.so" in line for line in f):
@@ -42,17 +42,3 @@ def uses_cuda(root: int) -> bool:
         except OSError:
             continue
     return False
-
-
-def _tree(root: int) -> list[int]:
-    pids, queue = [], [root]
-    while queue:
-        pid = queue.pop()
-        pids.append(pid)
-        try:
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                with open(f"/proc/{pid}/task/{tid}/children") as f:
-                    queue.extend(int(x) for x in f.read().split())
-        except OSError:
-            continue
-    return pids

@@ -210,7 +210,7 @@ class UndoRedo:
     # --- undo beside the kernel it leaves ------------------------------------------------------
     def may_set_aside(self, kernel_id: str) -> bool:
         """Whether the kernel may be set aside while the undo restores (in a worker thread):
-        the setting, the helper's PID namespaces, no GPU state at its head, and memory free for
+        the setting, the helper's PID namespaces, no GPU state at its head or now, memory free for
         a second copy of it (its size at its head or now, whichever is more). The helper checks
         again what it alone can see."""
         m = self.m
@@ -229,7 +229,7 @@ class UndoRedo:
             return False
         commit = m.repo().get_commit(head)
         meta = commit.metadata or {}
-        if meta.get("gpu") or meta.get("gpu_segments"):
+        if meta.get("gpu") or meta.get("gpu_segments") or m.uses_gpu(kernel_id):
             return False
         size = int((getattr(commit, "stats", None) or {}).get("image_bytes") or 0)
         root = m.provisioner(m.kernel(kernel_id)).root_pid
@@ -362,7 +362,7 @@ class UndoRedo:
         finally:  # (also when the server stops meanwhile: the kernel set aside goes with it)
             if aside.process.alive():
                 try:
-                    m.engine().helper.kill(aside.pid)
+                    await asyncio.to_thread(m.engine().helper.kill, aside.pid)
                 except InfinijupError as exc:
                     m.log.warning("infinijup: ending the kernel set aside (pid %d) failed: %s",
                                   aside.pid, exc.message)

@@ -117,10 +117,16 @@ async def test_a_late_save_that_fails_is_reported_and_leaves_the_kernel_running(
     assert len(errors) == 1 and errors[0]["op"] == "snapshot", errors  # reported once
 
 
-async def test_a_kernel_that_cannot_be_set_aside_is_saved_first(notebook, tmp_path):
-    """It maps the CUDA driver (a stand-in file of that name): the helper refuses to keep it
-    beside the restore, and the state it leaves is stored before the undo goes back."""
+@pytest.mark.parametrize("seen_by", ["server", "helper"])
+async def test_a_kernel_that_cannot_be_set_aside_is_saved_first(notebook, tmp_path, seen_by,
+                                                                jp_serverapp, monkeypatch):
+    """It maps the CUDA driver (a stand-in file of that name): the server sees it and does
+    not try, or (its look taken away here) the helper refuses to keep it beside the restore;
+    either way the state it leaves is stored before the undo goes back."""
     nb = notebook
+    if seen_by == "helper":
+        m = jp_serverapp.web_app.settings["infinijup_manager"]
+        monkeypatch.setattr(m, "uses_gpu", lambda kernel_id: False)
     await standing_on_a_snapshot_then_changed(nb)
     driver = tmp_path / "libcuda.so.1"
     driver.write_bytes(b"\x7fELF" + bytes(8188))
