@@ -31,6 +31,7 @@ from .criu import (
     check_page_files,
     image_names,
     private_page_files,
+    running_criu,
     tree_tasks,
 )
 from .cuda_stage import GPU_RESTORED_WHOLE, images_map_cuda, uses_nvidia
@@ -205,8 +206,9 @@ def end_failed_restore(job: RestoreJob, pids: set[int], since: float) -> None:
 def reap_failed_restore(registry: Registry, pids: set[int], since: float) -> None:
     """Reap the zombies a failed restore left (end_failed_restore). Taken: a zombie child of
     the helper, held by a pidfd, with one of the images' pids, made since the restore began,
-    not a tree of the registry and not a CRIU (the helper's ops wait for those themselves);
-    otherwise the reaper's sweep takes them, 5 to 10 s later."""
+    not a tree of the registry and not a CRIU the helper runs (its op waits for it); otherwise
+    the reaper's sweep takes them, 5 to 10 s later. A task CRIU failed early may still bear
+    CRIU's name: the name does not tell them apart."""
     me = os.getpid()
     for pid in sorted(pids):
         try:
@@ -215,7 +217,7 @@ def reap_failed_restore(registry: Registry, pids: set[int], since: float) -> Non
             continue
         try:
             info = read_proc(pid)
-            if (info is None or not info.is_zombie or info.ppid != me or _comm(pid) == "criu"
+            if (info is None or not info.is_zombie or info.ppid != me or pid in running_criu()
                     or registry.lookup(pid) is not None
                     or (start_time(pid) or 0) / os.sysconf("SC_CLK_TCK") < since - 0.05):
                 continue

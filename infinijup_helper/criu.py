@@ -42,6 +42,8 @@ DUMP_LOG = "criu.log"
 RESTORE_LOG = "restore.log"
 LOG_LEVEL = 4
 LOG_TAIL_LINES = 30
+_SWRK: set[int] = set()  # running_criu()
+_SWRK_LOCK = threading.Lock()
 
 
 class CriuFailed(RequestError):
@@ -314,6 +316,8 @@ class Criu:
             )
         finally:
             theirs.close()
+        with _SWRK_LOCK:
+            _SWRK.add(swrk.pid)
         if cgroup_procs is not None:  # before CRIU creates any task: they inherit it
             try:
                 join_cgroup(cgroup_procs, swrk.pid)
@@ -372,6 +376,7 @@ class Criu:
                 swrk.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 _kill(swrk, on_abort)
+            _waited(swrk)
         if failure is not None:
             raise failure
         if not resp.success:
@@ -517,12 +522,25 @@ def _recv_watched(sk: socket.socket, deadline: float, watch: Callable[[], None] 
             watch()
 
 
+def running_criu() -> frozenset[int]:
+    """The pids of the CRIU processes the helper has started and not yet waited for (a
+    zombie among them is theirs to reap, not a task of a failed restore)."""
+    with _SWRK_LOCK:
+        return frozenset(_SWRK)
+
+
+def _waited(proc: subprocess.Popen) -> None:
+    with _SWRK_LOCK:
+        _SWRK.discard(proc.pid)
+
+
 def _kill(proc: subprocess.Popen, on_abort: Callable[[], None] | None = None) -> None:
     try:
         proc.kill()
     except ProcessLookupError:
         pass
     proc.wait()
+    _waited(proc)
     if on_abort is not None:
         try:
             on_abort()

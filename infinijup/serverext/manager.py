@@ -98,6 +98,12 @@ class SnapshotManager(LoggingConfigurable):
                                       "kernels in PID namespaces, with the memory free."
                            ).tag(config=True)
 
+    undo_stores_behind = Bool(True, help="Where a kernel is not set aside (undo_sets_aside), "
+                                         "an undo (or redo) of a kernel changed since its last "
+                                         "snapshot dumps it, then restores while its images "
+                                         "are stored; off: the store is waited for before the "
+                                         "restore.").tag(config=True)
+
     pages_from_store_min_bytes = Integer(
         1 << 30, help="A lazy wake or resume whose images are not in the hot tier leaves the "
                       "page files in the store (read as the kernel runs, "

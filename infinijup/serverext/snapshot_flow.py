@@ -152,6 +152,15 @@ class SnapshotRun:
 
     async def take(self, step: Steps, target: dict):  # noqa: ANN201 - engine.DumpResult
         """Dump the kernel (it runs again at once) and store its images."""
+        result = await step("store", await self.dump(step, target))
+        if not self.from_kernel and not self.resumed:
+            await self.m.resume_hooks(self.km, restored=False)
+        return result
+
+    async def dump(self, step: Steps, target: dict, replaced: bool = False) -> asyncio.Future:
+        """Dump the kernel; once it runs again (or the dump failed), the store of its images
+        as a future (engine.DumpResult). ``replaced``: a restore replaces the kernel next (an
+        undo stores behind it), so it is not resumed (``resume``, if the restore fails)."""
         m, op, gpu = self.m, self.op, self.gpu
         extra = self.arena_files()
         m.events.emit(op, "dump", 30)
@@ -168,12 +177,18 @@ class SnapshotRun:
             on_dumped=on_dumped, background=self.is_auto() if self.background is None
             else self.background, **target))
         await asyncio.wait({dumped_at, storing}, return_when=asyncio.FIRST_COMPLETED)
-        if dumped_at.done():  # the kernel runs again while its images are stored
+        if dumped_at.done() and replaced:
+            self.running_again_s = time.perf_counter() - self.t0
+        elif dumped_at.done():  # the kernel runs again while its images are stored
             await step("runs_again", self.runs_again(*dumped_at.result()))
-        result = await step("store", storing)
-        if not self.from_kernel and not self.resumed:
-            await self.m.resume_hooks(self.km, restored=False)
-        return result
+        return storing
+
+    async def resume(self) -> None:
+        """The kernel dumped for a restore that did not replace it goes on (its snapshot is
+        still stored)."""
+        if not self.resumed:
+            self.resumed = True
+            await self.m.resume_hooks(self.km, restored=False, committed=False)
 
     def record(self, result, head: bool = True) -> dict:  # noqa: ANN001 - engine.DumpResult
         """The commit stored: the kernel's head moves onto it (``head``: it stands there), and

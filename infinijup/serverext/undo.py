@@ -16,14 +16,17 @@ path undone stays in the history.
 An undo or redo asked for by the kernel itself (``%undo``) runs once the asking cell is done.
 
 Saving the state left made the user wait for its dump and store (an undo took 14x a restore).
-Where it can, the kernel left is set aside instead (engine/set_aside.py): quiesced and planned
-as a snapshot, it stays alive while the snapshot goes back in beside it, and is dumped, stored
-and ended behind the restored kernel, which answers meanwhile. Until that commit lands the
-kernel is ``storing``: a redo, undo or snapshot asked for then waits for it. Where the kernel
-cannot be set aside (no PID namespace, GPU state, too little free memory, or
-``undo_sets_aside`` off), the state left is stored first, as before. If the late dump or store
-fails, the failure is reported once, the kernel set aside is ended, and there is nothing to
-redo: the kernel the user has was never at risk.
+Now the state left is stored behind the restored kernel, which answers meanwhile. Where it can,
+the kernel left is set aside (engine/set_aside.py): quiesced and planned as a snapshot, it
+stays alive while the snapshot goes back in beside it, and is dumped, stored and ended behind
+the restored kernel. Where it cannot be (no PID namespace, GPU state, too little free memory,
+or ``undo_sets_aside`` off), it is dumped first (the kernel is frozen for that), then the
+restore replaces it while its images are stored (``undo_stores_behind``; off: the store is
+waited for first). Until that commit lands the kernel is ``storing``: a redo, undo or
+snapshot asked for then waits for it. If the late store fails, the failure is reported once
+and there is nothing to redo: the kernel the user has was never at risk. If the restore fails
+after it had ended a kernel dumped first, the kernel goes back to the state it left once that
+is stored.
 
 Redo lists outlive the server: each is kept in a record beside the store
 (``<store>-redo/<kernel id>.json``: the notebook's path and the commits), written at each undo
@@ -147,8 +150,9 @@ class UndoRedo:
         m = self.m
         km = m.kernel(kernel_id)
         await m.wait_idle(km)
-        if await asyncio.to_thread(self.may_set_aside, kernel_id):
-            return await self._beside(kernel_id, what)
+        if m.lifecycle.state(kernel_id) == RUNNING:
+            park = await asyncio.to_thread(self.may_set_aside, kernel_id)
+            return await self._move(kernel_id, what, park)
         t0 = time.perf_counter()
         # the user waits for it: stored at the server's priority, not niced as a background
         # automatic snapshot is
@@ -238,8 +242,9 @@ class UndoRedo:
         available, _total = host_memory()
         return available >= size + size // 4 + SET_ASIDE_SPARE
 
-    async def _beside(self, kernel_id: str, what: str) -> dict:
-        """The move with the kernel left set aside, not saved first (module docstring)."""
+    async def _move(self, kernel_id: str, what: str, park: bool) -> dict:
+        """The move of a running kernel, its state left stored behind the restored kernel
+        (module docstring): set aside alive (``park``) or dumped first."""
         m = self.m
         km = m.kernel(kernel_id)
         prov = m.provisioner(km)
@@ -282,16 +287,19 @@ class UndoRedo:
                                         here=head)
                 here_cell = _meta_cell(planned.get("metadata") or {})
                 save_s = time.perf_counter() - t0
+                if not park:
+                    return await self._dumped_first(step, run, planned, turn, kernel_id, what,
+                                                    target, here_cell, t0)
                 try:
                     result = await m.restore_keeping_settings(kernel_id, target, quiet=True,
                                                               within=turn, park=True)
                 except RestoreFailed as exc:
                     if exc.reason != "cannot_park":
                         raise
-                    m.log.info("infinijup: %s of %s stores the state it leaves first: %s",
+                    m.log.info("infinijup: %s of %s dumps the state it leaves first: %s",
                                what, kernel_id, exc.message)
-                    return await self._save_first(step, run, planned, turn, kernel_id, what,
-                                                  target, here_cell, t0)
+                    return await self._dumped_first(step, run, planned, turn, kernel_id, what,
+                                                    target, here_cell, t0)
                 aside = result.pop("set_aside", None)
         except BaseException:
             if turn.state == RESTORING:
@@ -305,22 +313,75 @@ class UndoRedo:
             m.spawn(self._store_aside(run, planned, aside, turn, kernel_id, what))
         return self._answer(result, what, here_cell, target, save_s, saved=True, here=None)
 
-    async def _save_first(self, step: Steps, run, planned: dict, turn, kernel_id: str,  # noqa: ANN001
-                          what: str, target: str, here_cell, t0: float) -> dict:
-        """The helper could not set the kernel aside: its state is stored first (it is
-        still quiesced), then the restore."""
+    async def _dumped_first(self, step: Steps, run, planned: dict, turn, kernel_id: str,  # noqa: ANN001
+                            what: str, target: str, here_cell, t0: float) -> dict:
+        """The kernel cannot be set aside: it is dumped (still quiesced), then the restore
+        replaces it while its images are stored. With ``undo_stores_behind`` off, the store
+        is waited for before the restore."""
         m = self.m
+        behind = getattr(m, "undo_stores_behind", True)
         m.lifecycle.start_operation(run.op)
         try:
-            stored = run.record(await run.take(step, planned))
-        finally:
+            storing = await run.dump(step, planned, replaced=behind)
+            if not behind:
+                stored = run.record(await step("store", storing))
+            elif storing.done() and storing.exception() is not None:
+                storing.result()  # the dump failed: the kernel goes on (step undo)
+        except BaseException:
             m.lifecycle.end_operation(run.op)
-        here = stored["commit"]
+            raise
         save_s = time.perf_counter() - t0
-        result = await m.restore_keeping_settings(kernel_id, target, quiet=True, within=turn)
-        self._moved(kernel_id, what, here, target)
-        turn.to(RUNNING)
-        return self._answer(result, what, here_cell, target, save_s, saved=True, here=here)
+        if not behind:
+            m.lifecycle.end_operation(run.op)
+            result = await m.restore_keeping_settings(kernel_id, target, quiet=True,
+                                                      within=turn)
+            self._moved(kernel_id, what, stored["commit"], target)
+            turn.to(RUNNING)
+            return self._answer(result, what, here_cell, target, save_s, saved=True,
+                                here=stored["commit"])
+        old = m.provisioner(m.kernel(kernel_id)).tracked
+        try:
+            result = await m.restore_keeping_settings(kernel_id, target, quiet=True,
+                                                      within=turn)
+        except InfinijupError as exc:
+            await self._way_back(run, storing, turn, kernel_id, old, exc)
+            raise
+        except BaseException:
+            m.spawn(self._stored_behind(run, storing, None, kernel_id, None))
+            raise
+        self._moved(kernel_id, what, None, target)
+        turn.to(STORING)
+        m.spawn(self._stored_behind(run, storing, turn, kernel_id, what))
+        return self._answer(result, what, here_cell, target, save_s, saved=True, here=None)
+
+    async def _way_back(self, run, storing: asyncio.Future, turn, kernel_id: str,  # noqa: ANN001
+                        old, exc: InfinijupError) -> None:
+        """The restore of a move that dumped first failed. If the kernel dumped runs on, so be
+        it (its images are still stored, on no list). If the restore had ended it, the kernel
+        goes back to the state it left once that is stored; ``exc`` says how it went."""
+        m = self.m
+        prov = m.provisioner(m.kernel(kernel_id))
+        if old is not None and prov.tracked is old and old.alive():
+            await run.resume()
+            m.spawn(self._stored_behind(run, storing, None, kernel_id, None))
+            return
+        stored = await self._stored_behind(run, storing, None, kernel_id, None)
+        if stored is None:
+            exc.args = (f"{exc.message}; the state it left could not be stored",)
+            return
+        try:
+            if turn.state == RUNNING:
+                turn.to(RESTORING)
+            await m.restore_keeping_settings(kernel_id, stored["commit"], quiet=True,
+                                             within=turn)
+            exc.args = (f"{exc.message}; the kernel was then brought back to the state it "
+                        f"left (snapshot {stored['commit'][:12]})",)
+        except InfinijupError as back:
+            exc.args = (f"{exc.message}; going back to the state it left (snapshot "
+                        f"{stored['commit'][:12]}) failed too: {back.message}",)
+        finally:
+            if turn.state == RESTORING:
+                turn.to(RUNNING)
 
     def _answer(self, result: dict, what: str, here_cell, target: str, save_s: float,  # noqa: ANN001
                 *, saved: bool, here: str | None) -> dict:
@@ -337,7 +398,8 @@ class UndoRedo:
         kernel set aside is ended either way."""
         m, op = self.m, run.op
         m.lifecycle.start_operation(op)
-        try:
+
+        async def dumped_and_stored():  # noqa: ANN202 - engine.DumpResult
             km = m.kernel(kernel_id)
             for _ in range(600):  # the restored kernel's memory first (it streams in)
                 now = await pages(km)
@@ -346,19 +408,14 @@ class UndoRedo:
                 await asyncio.sleep(0.2)
             await asyncio.to_thread(holdpoint, "set_aside")  # (tests hold it here)
             m.events.emit(op, "dump", 30)
-            result = await asyncio.to_thread(
+            return await asyncio.to_thread(
                 m.engine().snapshot, aside.pid, message=run.message,
                 on_progress=m.events.progress(op), replan=run.replan, background=True,
                 leave_running=False, **planned)
-            stored = run.record(result, head=False)
-            if what == "undo":
-                self.redo_lists.setdefault(kernel_id, []).append(stored["commit"])
-                self._save(kernel_id)
-        except Exception as exc:  # noqa: BLE001 - reported once; the user's kernel runs on
-            message = getattr(exc, "message", str(exc))
-            m.log.warning("infinijup: the state %s of %s left could not be stored (%s); there "
-                          "is nothing to redo to", what, kernel_id, message)
-            m.events.failed(op, exc)
+
+        try:
+            await self._stored_behind(run, asyncio.ensure_future(dumped_and_stored()), turn,
+                                      kernel_id, what)
         finally:  # (also when the server stops meanwhile: the kernel set aside goes with it)
             if aside.process.alive():
                 try:
@@ -367,8 +424,28 @@ class UndoRedo:
                     m.log.warning("infinijup: ending the kernel set aside (pid %d) failed: %s",
                                   aside.pid, exc.message)
             aside.close()
+
+    async def _stored_behind(self, run, storing: asyncio.Future, turn, kernel_id: str,  # noqa: ANN001
+                             what: str | None) -> dict | None:
+        """The state a move left, once stored: recorded (the kernel's head stays where the
+        move took it) and, after an undo, put on the redo list. A failure is reported once;
+        there is then nothing to redo. ``turn`` (the kernel ``storing``) runs again after."""
+        m, op = self.m, run.op
+        try:
+            stored = run.record(await storing, head=False)
+            if what == "undo":
+                self.redo_lists.setdefault(kernel_id, []).append(stored["commit"])
+                self._save(kernel_id)
+            return stored
+        except Exception as exc:  # noqa: BLE001 - reported once; the user's kernel runs on
+            message = getattr(exc, "message", str(exc))
+            m.log.warning("infinijup: the state %s of %s left could not be stored (%s); there "
+                          "is nothing to redo to", what or "a move", kernel_id, message)
+            m.events.failed(op, exc)
+            return None
+        finally:
             m.lifecycle.end_operation(op)
-            if turn.state == STORING:
+            if turn is not None and turn.state == STORING:
                 turn.to(RUNNING)
 
 

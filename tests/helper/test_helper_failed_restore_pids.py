@@ -75,3 +75,28 @@ def test_a_restore_failed_after_its_tasks_were_made_leaves_their_pids_free(
         client.kill(again.pid)  # the whole tree: with no PID namespace, a SIGKILL of its
         # root (the fixtures' cleanup) would leave the kernel process running
     client.release(images)
+
+
+def test_a_restore_failed_before_its_tasks_took_their_names_leaves_their_pids_free(
+        client, kernel: Kernel, trees, helper, tmp_path) -> None:
+    """CRIU fails early (a directory the kernel had open has another mode since): its root
+    task ends still named ``criu``, and is reaped at once all the same."""
+    opened = tmp_path / "opened"
+    opened.mkdir(mode=0o700)
+    kernel.execute(f"import os\nx = 41\ndfd = os.open({str(opened)!r}, os.O_RDONLY)")
+    images = os.path.join(client.work_dir(), f"early-{kernel.pid}")
+    client.dump(kernel.pid, images)
+    client.kill(kernel.pid)
+    os.chmod(opened, 0o755)
+    with pytest.raises(InfinijupError) as failed:
+        client.restore(images)
+    assert "bad mode" in str(failed.value), failed.value
+    os.chmod(opened, 0o700)
+    again = client.restore(images)  # at once: no "File exists" for a pid of the images
+    try:
+        kernel.pid = again.pid
+        kernel.wait_answering(timeout=60)
+        assert kernel.evaluate(x="x") == {"x": "41"}
+    finally:
+        client.kill(again.pid)
+    client.release(images)
