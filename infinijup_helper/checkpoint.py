@@ -198,8 +198,8 @@ def end_failed_restore(job: RestoreJob, pids: set[int], since: float) -> None:
         try:
             with job.registry.hold(job.caller.uid, job.pid) as held:
                 terminate_tree(held)
-        except RequestError:
-            pass  # gone, and reaped, already
+        except RequestError:  # gone already, or the reaper is at it: let it finish
+            job.registry.wait_gone(job.pid, KILL_TIMEOUT_S)
     reap_failed_restore(job.registry, pids, since)
 
 

@@ -35,6 +35,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from .holds import hold
 from .protocol import RequestError
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class Tree:
     child: bool  # the helper's child: it reaps it, and its pid is pinned until then
     holds: int = 0
     exited: bool = False  # seen exited while held: reaped when the last hold goes
+    reaping: bool = False  # the reaper is at it (its pidfd about to close): not to be held
 
     def alive(self) -> bool:
         return pidfd_alive(self.pidfd)
@@ -231,7 +233,7 @@ class Registry:
         """
         with self._lock:
             tree = self._trees.get(pid)
-            if tree is None or tree.exited:
+            if tree is None or tree.exited or tree.reaping:
                 raise RequestError(
                     "no_such_process",
                     f"{pid} is not a kernel tree this helper runs (spawned or restored by it)")
@@ -293,17 +295,29 @@ class Registry:
             if tree.holds and not force:
                 tree.exited = True  # the op holding it decides; the pid stays pinned meanwhile
                 return None
+            if tree.reaping:
+                return None  # (another thread is at it)
+            tree.reaping = True  # from now on no op may hold it (hold), its pidfd closes
+        hold("tree_reaping", pid=pid)
         code: int | None = None
-        if tree.child:
-            try:
-                result = os.waitid(os.P_PIDFD, tree.pidfd, os.WEXITED | os.WNOHANG)
-            except ChildProcessError:
-                result = None
-            if result is None and pidfd_alive(tree.pidfd):
-                return None  # not exited after all
-            if result is not None:
-                code = result.si_status if result.si_code == os.CLD_EXITED else -result.si_status
-        elif pidfd_alive(tree.pidfd):
+        alive = True  # (until seen otherwise)
+        try:
+            if tree.child:
+                try:
+                    result = os.waitid(os.P_PIDFD, tree.pidfd, os.WEXITED | os.WNOHANG)
+                except ChildProcessError:
+                    result = None
+                alive = result is None and pidfd_alive(tree.pidfd)
+                if result is not None:
+                    code = (result.si_status if result.si_code == os.CLD_EXITED
+                            else -result.si_status)
+            else:
+                alive = pidfd_alive(tree.pidfd)
+        finally:
+            if alive:  # not exited after all (or the look failed): as it was
+                with self._lock:
+                    tree.reaping = False
+        if alive:
             return None
         record = ExitRecord(pid, tree.owner, code)
         with self._lock:
