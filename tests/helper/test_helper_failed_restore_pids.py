@@ -26,6 +26,18 @@ def helper() -> Iterator[HelperDaemon]:
         yield daemon
 
 
+def _restores_again_at_once(client, kernel: Kernel, images: str) -> None:  # noqa: ANN001
+    again = client.restore(images)  # no "File exists" for a pid of the images
+    try:
+        kernel.pid = again.pid
+        kernel.wait_answering(timeout=60)
+        assert kernel.evaluate(x="x") == {"x": "41"}
+    finally:
+        client.kill(again.pid)  # the whole tree: with no PID namespace, a SIGKILL of its
+        # root (the fixtures' cleanup) would leave the kernel process running
+    client.release(images)
+
+
 def _children(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return [int(p) for p in f.read().split()]
@@ -66,15 +78,7 @@ def test_a_restore_failed_after_its_tasks_were_made_leaves_their_pids_free(
         client.kill(outcome["restored"].pid)
     assert "error" in outcome, outcome  # CRIU failed the restore, having made the tasks
 
-    again = client.restore(images)  # at once: no "File exists" for a pid of the images
-    try:
-        kernel.pid = again.pid
-        kernel.wait_answering(timeout=60)
-        assert kernel.evaluate(x="x") == {"x": "41"}
-    finally:
-        client.kill(again.pid)  # the whole tree: with no PID namespace, a SIGKILL of its
-        # root (the fixtures' cleanup) would leave the kernel process running
-    client.release(images)
+    _restores_again_at_once(client, kernel, images)
 
 
 def test_a_restore_failed_before_its_tasks_took_their_names_leaves_their_pids_free(
@@ -92,11 +96,4 @@ def test_a_restore_failed_before_its_tasks_took_their_names_leaves_their_pids_fr
         client.restore(images)
     assert "bad mode" in str(failed.value), failed.value
     os.chmod(opened, 0o700)
-    again = client.restore(images)  # at once: no "File exists" for a pid of the images
-    try:
-        kernel.pid = again.pid
-        kernel.wait_answering(timeout=60)
-        assert kernel.evaluate(x="x") == {"x": "41"}
-    finally:
-        client.kill(again.pid)
-    client.release(images)
+    _restores_again_at_once(client, kernel, images)

@@ -69,6 +69,27 @@ async def undo(nb) -> dict:
     return json.loads(r.body)
 
 
+async def back_to_the_state_left(nb, redo) -> None:  # noqa: ANN001 - the redo's request
+    r = await redo
+    assert r.code == 200, r.body
+    assert await nb.value("x") == 2
+    assert await nb.value("r") == __import__("random").Random(3).random()
+
+
+async def stored_once(nb) -> None:
+    commits = (await nb.history())["commits"]
+    assert [c["message"] for c in commits].count("before undo") == 1
+
+
+async def reported_once(seen: list[dict]) -> None:
+    for _ in range(200):  # listeners run as tasks: let them drain
+        if any(e["phase"] == "error" for e in seen):
+            break
+        await asyncio.sleep(0.05)
+    errors = [e for e in seen if e["phase"] == "error"]
+    assert len(errors) == 1 and errors[0]["op"] == "snapshot", errors
+
+
 async def test_the_undone_kernel_answers_before_the_state_left_is_stored(
         notebook, holds, jp_serverapp, sets_aside):
     nb = notebook
@@ -87,14 +108,10 @@ async def test_the_undone_kernel_answers_before_the_state_left_is_stored(
     # a redo now waits for the state left, then goes back to it
     redo = asyncio.ensure_future(nb.post("redo", {"kernel_id": nb.kernel_id}))
     (holds / "set_aside").unlink()
-    r = await redo
-    assert r.code == 200, r.body
-    assert await nb.value("x") == 2
-    assert await nb.value("r") == __import__("random").Random(3).random()
+    await back_to_the_state_left(nb, redo)
     assert not os.path.exists(f"/proc/{left_pid}")  # dumped and ended
     assert set_aside_files(jp_serverapp, nb) == []
-    commits = (await nb.history())["commits"]
-    assert [c["message"] for c in commits].count("before undo") == 1
+    await stored_once(nb)
 
 
 async def test_a_late_save_that_fails_is_reported_and_leaves_the_kernel_running(
@@ -112,12 +129,7 @@ async def test_a_late_save_that_fails_is_reported_and_leaves_the_kernel_running(
     assert r.code == 409 and json.loads(r.body)["reason"] == "nothing_to_redo", r.body
     assert await nb.value("x") == 1  # the user's kernel runs on
     assert set_aside_files(jp_serverapp, nb) == []
-    for _ in range(200):  # listeners run as tasks: let them drain
-        if any(e["phase"] == "error" for e in seen):
-            break
-        await asyncio.sleep(0.05)
-    errors = [e for e in seen if e["phase"] == "error"]
-    assert len(errors) == 1 and errors[0]["op"] == "snapshot", errors  # reported once
+    await reported_once(seen)
 
 
 def manager(jp_serverapp):  # noqa: ANN201
@@ -178,12 +190,8 @@ async def test_dumped_first_the_undone_kernel_answers_before_the_state_left_is_s
     # a redo waits for the state left (without it there would be nothing to redo)
     redo = asyncio.ensure_future(nb.post("redo", {"kernel_id": nb.kernel_id}))
     (holds / "before_ingest").unlink()
-    r = await redo
-    assert r.code == 200, r.body
-    assert await nb.value("x") == 2
-    assert await nb.value("r") == __import__("random").Random(3).random()
-    commits = (await nb.history())["commits"]
-    assert [c["message"] for c in commits].count("before undo") == 1
+    await back_to_the_state_left(nb, redo)
+    await stored_once(nb)
 
 
 async def test_dumped_first_a_late_store_that_fails_is_reported_once(
@@ -202,12 +210,7 @@ async def test_dumped_first_a_late_store_that_fails_is_reported_once(
     r = await nb.post("redo", {"kernel_id": nb.kernel_id})  # (waits for the late store)
     assert r.code == 409 and json.loads(r.body)["reason"] == "nothing_to_redo", r.body
     assert await nb.value("x") == 1  # the user's kernel runs on
-    for _ in range(200):  # listeners run as tasks: let them drain
-        if any(e["phase"] == "error" for e in seen):
-            break
-        await asyncio.sleep(0.05)
-    errors = [e for e in seen if e["phase"] == "error"]
-    assert len(errors) == 1 and errors[0]["op"] == "snapshot", errors  # reported once
+    await reported_once(seen)
 
 
 async def test_dumped_first_a_restore_that_fails_after_ending_the_kernel_goes_back(
