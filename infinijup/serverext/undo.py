@@ -395,35 +395,35 @@ class UndoRedo:
                            kernel_id: str, what: str) -> None:
         """Behind the restored kernel: dump the kernel set aside (which ends it), store it as
         the state left, and put it on the redo list. Its failure is reported once; the
-        kernel set aside is ended either way."""
+        kernel set aside is ended either way, before the kernel runs on."""
         m, op = self.m, run.op
         m.lifecycle.start_operation(op)
 
         async def dumped_and_stored():  # noqa: ANN202 - engine.DumpResult
-            km = m.kernel(kernel_id)
-            for _ in range(600):  # the restored kernel's memory first (it streams in)
-                now = await pages(km)
-                if now is None or now.get("state") != "streaming":
-                    break
-                await asyncio.sleep(0.2)
-            await asyncio.to_thread(holdpoint, "set_aside")  # (tests hold it here)
-            m.events.emit(op, "dump", 30)
-            return await asyncio.to_thread(
-                m.engine().snapshot, aside.pid, message=run.message,
-                on_progress=m.events.progress(op), replan=run.replan, background=True,
-                leave_running=False, **planned)
+            try:
+                km = m.kernel(kernel_id)
+                for _ in range(600):  # the restored kernel's memory first (it streams in)
+                    now = await pages(km)
+                    if now is None or now.get("state") != "streaming":
+                        break
+                    await asyncio.sleep(0.2)
+                await asyncio.to_thread(holdpoint, "set_aside")  # (tests hold it here)
+                m.events.emit(op, "dump", 30)
+                return await asyncio.to_thread(
+                    m.engine().snapshot, aside.pid, message=run.message,
+                    on_progress=m.events.progress(op), replan=run.replan, background=True,
+                    leave_running=False, **planned)
+            finally:  # (also when the server stops meanwhile: the kernel set aside goes)
+                if aside.process.alive():
+                    try:
+                        await asyncio.to_thread(m.engine().helper.kill, aside.pid)
+                    except InfinijupError as exc:
+                        m.log.warning("infinijup: ending the kernel set aside (pid %d) "
+                                      "failed: %s", aside.pid, exc.message)
+                aside.close()
 
-        try:
-            await self._stored_behind(run, asyncio.ensure_future(dumped_and_stored()), turn,
-                                      kernel_id, what)
-        finally:  # (also when the server stops meanwhile: the kernel set aside goes with it)
-            if aside.process.alive():
-                try:
-                    await asyncio.to_thread(m.engine().helper.kill, aside.pid)
-                except InfinijupError as exc:
-                    m.log.warning("infinijup: ending the kernel set aside (pid %d) failed: %s",
-                                  aside.pid, exc.message)
-            aside.close()
+        await self._stored_behind(run, asyncio.ensure_future(dumped_and_stored()), turn,
+                                  kernel_id, what)
 
     async def _stored_behind(self, run, storing: asyncio.Future, turn, kernel_id: str,  # noqa: ANN001
                              what: str | None) -> dict | None:
