@@ -28,7 +28,7 @@ from .. import config
 from ..engine import SnapshotEngine
 from ..engine.hot_tier import default_budget
 from ..engine.kernel_channel import run_agent
-from ..engine.lifecycle import RUNNING, Lifecycle
+from ..engine.lifecycle import HIBERNATED, RUNNING, Lifecycle
 from ..errors import BadRequest, Conflict, InfinijupError, NotFound, PreflightRefused
 from ..gpu import arena as gpu_arena
 from ..gpu import room, room_plan
@@ -217,11 +217,14 @@ class SnapshotManager(LoggingConfigurable):
 
     async def restore_keeping_settings(self, kernel_id: str, ref: str, **kwargs) -> dict:
         """A restore after which the kernel's automatic snapshots are as they were before it
-        (the restored process had those of its snapshot's moment)."""
-        try:
-            before = (await self.kernel_autosnapshot(kernel_id, None)).get("on")
-        except InfinijupError:
-            before = None
+        (the restored process had those of its snapshot's moment). A hibernated kernel is not
+        asked (it has no process to answer): it takes the snapshot's."""
+        before = None
+        if self.lifecycle.state(kernel_id) != HIBERNATED:
+            try:
+                before = (await self.kernel_autosnapshot(kernel_id, None)).get("on")
+            except InfinijupError:
+                pass
         result = await restore_flow.restore(self, kernel_id, ref, **kwargs)
         if isinstance(before, bool):
             try:

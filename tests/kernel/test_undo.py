@@ -211,3 +211,25 @@ async def test_redo_skips_a_state_deleted_since(notebook):
     assert await nb.value("x") == 1
     r = await nb.post("redo", {"kernel_id": nb.kernel_id})  # the list is empty now
     assert r.code == 409 and json.loads(r.body)["reason"] == "nothing_to_redo", r.body
+
+
+async def test_undo_and_redo_of_a_hibernated_kernel_restore_it_awake(notebook):
+    """A hibernated kernel is its last snapshot (here its hibernation's own: x changed after
+    the one before, too quickly to snapshot): undo goes to the snapshot before, by a restore
+    that wakes it there, and redo comes back."""
+    nb = notebook
+    await nb.execute("import random\nx = 1\nrandom.seed(5)")
+    await nb.snapshot(message="x is 1")
+    await nb.execute("x = 2\nr = random.random()")  # quick: its state goes with the hibernation
+    r = await nb.post("hibernate", {"kernel_id": nb.kernel_id})
+    assert r.code == 200 and json.loads(r.body)["state"] == "hibernated", r.body
+    r = await nb.post("undo", {"kernel_id": nb.kernel_id})
+    assert r.code == 200, r.body
+    assert json.loads(r.body)["saved"] is False  # nothing to save: it was hibernated
+    assert await nb.value("x") == 1
+    r = await nb.post("redo", {"kernel_id": nb.kernel_id})
+    assert r.code == 200, r.body
+    assert await nb.value("x") == 2
+    draws = random.Random(5)
+    assert await nb.value("r") == draws.random()
+    assert await nb.value("random.random()") == draws.random()
