@@ -14,6 +14,8 @@ snapshot is a restore like any other: the next snapshot starts a new thread (a b
 path undone stays in the history.
 
 An undo or redo asked for by the kernel itself (``%undo``) runs once the asking cell is done.
+A hibernated kernel is its last snapshot, unchanged: its undo or redo is a restore, which wakes
+it there.
 
 Saving the state left made the user wait for its dump and store (an undo took 14x a restore).
 Now the state left is stored behind the restored kernel, which answers meanwhile. Where it can,
