@@ -74,6 +74,7 @@ class Hibernation:
         self.rests: dict[str, Rest] = {}
         self.stopping = False  # the server is shutting its kernels down: keep their records
         self.listeners: dict[str, set] = {}  # kernel id -> websocket connections holding requests
+        self.came_back: set[str] = set()  # restored from rest, not yet running (notify)
         # kernel id -> what it last answered to requests that need no computation
         # (websocket.resting_answer): a resting kernel answers them from here, asleep
         self.known: dict[str, dict[str, dict]] = {}
@@ -133,8 +134,10 @@ class Hibernation:
     def notify(self, kernel_id: str, error: str | None = None) -> None:
         """Tell the connections holding requests for this kernel: send them on (it runs), or
         answer them with ``error`` (it could not wake)."""
+        came_back = kernel_id in self.came_back and error is None
+        self.came_back.discard(kernel_id)
         for conn in list(self.listeners.get(kernel_id, ())):
-            conn.held_done(error)
+            conn.held_done(error, came_back=came_back)
 
     # --- resting ---------------------------------------------------------------------------
     async def hibernate(self, kernel_id: str, *, reason: str = "asked") -> dict:
@@ -346,6 +349,7 @@ class Hibernation:
         held for it go on)."""
         rest = self.rests.pop(kernel_id, None)
         if rest is not None:
+            self.came_back.add(kernel_id)  # (notify: its websockets subscribe to it anew)
             self._remove_record(kernel_id)
             if rest.head is not None:  # it slept in a snapshot kept aside
                 self._drop_aside(kernel_id)

@@ -121,8 +121,11 @@ class RestingKernelConnection(ZMQChannelsWebsocketConnection):
             wake = hibernation.wake_soon(self.kernel_id)
             wake.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen in held_done
 
-    def held_done(self, error: str | None) -> None:
-        """The kernel's rest is over (``error`` None) or it could not wake (``error``)."""
+    def held_done(self, error: str | None, came_back: bool = False) -> None:
+        """The kernel's rest is over (``error`` None) or it could not wake (``error``).
+        ``came_back``: it has a process again (a wake, or a restore of a resting kernel):
+        even with nothing held, what comes now waits until this websocket's IOPub subscription
+        has reached the new process, or its outputs would go to nobody."""
         held, self._held = self._held or [], None
         if error is not None:
             for _raw, channel, header in held:
@@ -130,7 +133,7 @@ class RestingKernelConnection(ZMQChannelsWebsocketConnection):
                         header.get("msg_type", "").endswith("_request"):
                     self._answer_with_error(channel, header, error)
             return
-        if not held:
+        if not held and not came_back:
             return
         self._held = []  # anything arriving meanwhile queues behind them
 

@@ -265,3 +265,39 @@ async def test_the_server_status_lists_every_kernel_and_where_its_gpu_memory_is(
     await hibernate(nb)
     assert (await listed())[nb.kernel_id]["state"] == "hibernated"
     assert await nb.value("x") == 1
+
+
+async def test_a_cell_right_after_a_restore_of_a_hibernated_kernel_gets_its_output(
+        notebook, jp_serverapp, monkeypatch):
+    """The websocket's IOPub reconnects to a new process on its own timer (here every 3 s):
+    a cell sent right after a restore of a hibernated kernel waits until it has, or its
+    output and idle status would go to nobody (the restore itself had no connection of the
+    kernel's to wait for)."""
+    import uuid
+
+    import zmq
+
+    nb = notebook
+    km = jp_serverapp.kernel_manager.get_kernel(nb.kernel_id)
+    connect_iopub = km.connect_iopub
+
+    def slowly_reconnecting_iopub(identity=None):  # noqa: ANN001, ANN202
+        km.context.setsockopt(zmq.RECONNECT_IVL, 3000)  # (pyzmq: for new sockets)
+        try:
+            return connect_iopub(identity=identity)
+        finally:
+            km.context.sockopts.pop(zmq.RECONNECT_IVL, None)
+
+    monkeypatch.setattr(km, "connect_iopub", slowly_reconnecting_iopub)
+    nb.ws.close()  # a websocket whose IOPub is such
+    nb.session = uuid.uuid4().hex
+    nb.ws = await nb.ws_fetch("api", "kernels", nb.kernel_id, "channels",
+                              params={"session_id": nb.session})
+    await nb.execute("x = 1", timeout=60)
+    snap = await nb.snapshot(message="x is 1")
+    await nb.execute("x = 2")
+    await hibernate(nb)
+    r = await nb.post("restore", {"kernel_id": nb.kernel_id, "commit": snap["commit"]})
+    assert r.code == 200, r.body
+    out = await nb.execute("print(x)", timeout=60)
+    assert out["stdout"] == "1\n", out
