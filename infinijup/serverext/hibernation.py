@@ -358,6 +358,7 @@ class Hibernation:
         """A hibernated kernel was shut down (or restarted): by its user, its record goes;
         by a server that is stopping, it stays for the next server."""
         rest = self.rests.pop(kernel_id, None)
+        self.came_back.discard(kernel_id)
         self.lifecycle.forget(kernel_id)
         if not self.stopping:
             self._remove_record(kernel_id)
