@@ -56,6 +56,7 @@ from .unix_peers import (
 log = logging.getLogger(__name__)
 
 KILL_TIMEOUT_S = 30.0
+REAP_FAILED_WAIT_S = 5.0  # reap_failed_restore: at most this long for its tasks to be gone
 DUMP_TRIES = 3
 COPY_CHUNK = 1 << 20
 
@@ -206,10 +207,12 @@ def end_failed_restore(job: RestoreJob, pids: set[int], since: float) -> None:
 def reap_failed_restore(registry: Registry, pids: set[int], since: float) -> None:
     """Reap the zombies a failed restore left (end_failed_restore). Taken: a zombie child of
     the helper, held by a pidfd, with one of the images' pids, made since the restore began,
-    not a tree of the registry and not a CRIU the helper runs (its op waits for it); otherwise
-    the reaper's sweep takes them, 5 to 10 s later. A task CRIU failed early may still bear
-    CRIU's name: the name does not tell them apart."""
+    not a tree of the registry and not a CRIU the helper runs (its op waits for it), once it
+    has exited (CRIU killed it: at most ``REAP_FAILED_WAIT_S`` in all is waited for that);
+    otherwise the reaper's sweep takes them, 5 to 10 s later. A task CRIU failed early may
+    still bear CRIU's name: the name does not tell them apart."""
     me = os.getpid()
+    deadline = time.monotonic() + REAP_FAILED_WAIT_S
     for pid in sorted(pids):
         try:
             fd = os.pidfd_open(pid)
@@ -217,9 +220,12 @@ def reap_failed_restore(registry: Registry, pids: set[int], since: float) -> Non
             continue
         try:
             info = read_proc(pid)
-            if (info is None or not info.is_zombie or info.ppid != me or pid in running_criu()
+            if (info is None or info.ppid != me or pid in running_criu()
                     or registry.lookup(pid) is not None
                     or (start_time(pid) or 0) / os.sysconf("SC_CLK_TCK") < since - 0.05):
+                continue
+            # CRIU killed the tasks it made: one may still be on its way out (a busy machine)
+            if not info.is_zombie and not _wait_readable(fd, max(0.0, deadline - time.monotonic())):
                 continue
             os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG)
             log.info("reaped %d, a task of a failed restore", pid)
