@@ -18,6 +18,7 @@ import {
 import {
   createNotebook,
   execute,
+  notified,
   openHistory,
   widenRightPanel,
   screenshot,
@@ -499,9 +500,7 @@ test.describe('Infinijup end to end @backend', () => {
       .locator('.jp-Infinijup-details')
       .getByRole('button', { name: 'Resume here' })
       .click();
-    await expect(
-      toasts(page).filter({ hasText: `Resumed ${a} in a new kernel` })
-    ).toBeVisible({ timeout: OP_TIMEOUT });
+    await notified(page, `Resumed ${a} in a new kernel`, OP_TIMEOUT);
     await waitForKernelIdle(page);
     expect(await run(page, 'print(x)')).toBe('41');
     // One session for the notebook (issue 28, item 5): the one Lab made.
@@ -520,9 +519,7 @@ test.describe('Infinijup end to end @backend', () => {
       .getByRole('button', { name: 'Open in new notebook' })
       .click();
     const copy = name.replace(/\.ipynb$/, `-${a}.ipynb`);
-    await expect(
-      toasts(page).filter({ hasText: `Opened ${a} in ${copy}` })
-    ).toBeVisible({ timeout: OP_TIMEOUT });
+    await notified(page, `Opened ${a} in ${copy}`, OP_TIMEOUT);
     await expect
       .poll(() =>
         page.evaluate(

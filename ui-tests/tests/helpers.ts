@@ -278,6 +278,50 @@ export function toasts(page: Page) {
   return page.locator('.Toastify__toast');
 }
 
+/** Per page, the notifications `notified` has already answered with. */
+const answered = new WeakMap<object, Set<string>>();
+
+/**
+ * Wait for a notification whose message contains `text`; return its message.
+ *
+ * For outcomes shown in a toast that closes itself (a success closes after
+ * 5 s): the notification stays in JupyterLab's list after its toast is gone,
+ * so a machine busy enough to look at the page only now and then cannot miss
+ * it. Each notification answers one call, so a second operation with the same
+ * message waits for its own. A failure lists the notifications there were (an
+ * error says why).
+ */
+export async function notified(
+  page: IJupyterLabPageFixture,
+  text: string,
+  timeout = 90_000
+): Promise<string> {
+  const used = answered.get(page) ?? new Set<string>();
+  answered.set(page, used);
+  let seen: string[] = [];
+  let found: { id: string; message: string } | undefined;
+  try {
+    await expect
+      .poll(
+        async () => {
+          const all = await page.notifications;
+          seen = all.map(n => `${n.type}: ${n.message}`);
+          found = all.find(n => !used.has(n.id) && n.message.includes(text));
+          return found !== undefined;
+        },
+        { timeout }
+      )
+      .toBe(true);
+  } catch {
+    throw new Error(
+      `No notification with "${text}" within ${timeout} ms. ` +
+        `The notifications: ${seen.length ? seen.join(' | ') : 'none'}`
+    );
+  }
+  used.add(found!.id);
+  return found!.message;
+}
+
 /** Wait until the current notebook's kernel is idle. */
 export async function waitForKernelIdle(
   page: IJupyterLabPageFixture

@@ -16,9 +16,9 @@ import {
   demoHistory,
   hex,
   MockBackend,
+  notified,
   openHistory,
-  screenshot,
-  toasts
+  screenshot
 } from './helpers';
 
 test.use({ autoGoto: false });
@@ -42,6 +42,9 @@ test.describe('Resume @mocked', () => {
   let backend: MockBackend;
 
   test.beforeEach(async ({ page }) => {
+    // Each resume starts a real kernel (the mock's), beside the Python suite
+    // in `make test` on a busy machine.
+    test.slow();
     backend = new MockBackend();
     const history = demoHistory(Math.floor(Date.now() / 1000));
     // A path query has no kernel: the server reports no head commit.
@@ -79,9 +82,7 @@ test.describe('Resume @mocked', () => {
     await screenshot(panel, testInfo, 'no-kernel');
 
     await card.getByRole('button', { name: 'Resume here' }).click();
-    await expect(
-      toasts(page).filter({ hasText: `Resumed ${short('m4')} in a new kernel` })
-    ).toBeVisible();
+    await notified(page, `Resumed ${short('m4')} in a new kernel`);
     expect(backend.bodies.resume).toEqual([
       { path: 'resume.ipynb', commit: hex('m4') }
     ]);
@@ -114,9 +115,7 @@ test.describe('Resume @mocked', () => {
       .getByRole('button', { name: 'Open in new notebook' })
       .click();
     const copy = `opennew-${short('m2')}.ipynb`;
-    await expect(
-      toasts(page).filter({ hasText: `Opened ${short('m2')} in ${copy}` })
-    ).toBeVisible();
+    await notified(page, `Opened ${short('m2')} in ${copy}`);
     expect(backend.bodies.resume).toEqual([
       {
         path: 'opennew.ipynb',
