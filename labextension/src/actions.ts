@@ -447,6 +447,10 @@ export class InfinijupActions {
         return null;
       }
     }
+    // Just renamed: the session follows the file a moment later. The resume names the
+    // notebook by its session's path (its history, the file a copy is made of), so the
+    // session is moved to the file first.
+    await sessionAtFile(panel);
     const busyKey = pathKey(panel);
     const handle = this._progress.begin(
       'resume',
@@ -473,10 +477,7 @@ export class InfinijupActions {
         });
         // A notebook renamed while it had no session: Lab may have opened
         // this one under the old name.
-        const session = panel.sessionContext.session;
-        if (session && session.path !== panel.context.path) {
-          await session.setPath(panel.context.path);
-        }
+        await sessionAtFile(panel);
       }
       const path = sessionPath(panel);
       const result = await this._api.resume({
@@ -776,6 +777,15 @@ function truncate(text: string, n: number): string {
 /** The path the server knows the notebook's session by. */
 export function sessionPath(panel: NotebookPanel): string {
   return panel.sessionContext.session?.path ?? panel.context.path;
+}
+
+/** Move the notebook's session, if any, to the notebook's file (its path on the server). */
+async function sessionAtFile(panel: NotebookPanel): Promise<void> {
+  const session = panel.sessionContext.session;
+  const file = panel.context.localPath;
+  if (session && file && session.path !== file) {
+    await session.setPath(file);
+  }
 }
 
 /** The busy key of a notebook without a kernel (a resume in progress). */

@@ -318,6 +318,25 @@ describe('resume', () => {
     );
   });
 
+  it('moves a session still at the old name to the file first (a notebook just renamed)', async () => {
+    const { api, panel, actions } = setup(fakeKernel('k1'));
+    // Lab renamed the file; the session follows a moment later.
+    panel.context.localPath = 'nb.ipynb';
+    const session = panel.sessionContext.session;
+    session.path = 'Untitled.ipynb';
+    session.setPath = jest.fn(async (to: string) => {
+      session.path = to;
+    });
+    await actions.resume(panel, ID(1), { newNotebook: true });
+    expect(session.setPath).toHaveBeenCalledWith('nb.ipynb');
+    expect(api.resume).toHaveBeenCalledWith({
+      path: 'nb.ipynb',
+      commit: ID(1),
+      new_notebook: true,
+      session: false
+    });
+  });
+
   it('of a managed notebook restores in place', async () => {
     const { api, panel, actions } = setup(fakeKernel('k1'));
     answerDialogs(true);

@@ -115,6 +115,11 @@ export class MockBackend {
         await new Promise(resolve => setTimeout(resolve, 100));
         source = await api.get(`${origin}/api/contents/${body.path}`);
       }
+      if (!source.ok()) {
+        throw new Error(
+          `${body.path} is not on the server (${source.status()})`
+        );
+      }
       const model = await source.json();
       await api.put(`${origin}/api/contents/${target}`, {
         data: { type: 'notebook', format: 'json', content: model.content }
@@ -175,7 +180,25 @@ export class MockBackend {
     return this._sockets.length;
   }
 
+  /**
+   * Answer a mocked request. A handler that throws answers 500 with what went
+   * wrong: the request must never go on to the real server, whose answer
+   * (say, an unknown commit) would hide the mock's failure.
+   */
   private async _handle(route: Route): Promise<void> {
+    try {
+      await this._answer(route);
+    } catch (error) {
+      await route
+        .fulfill({
+          status: 500,
+          json: { message: `the test's mock failed: ${error}`, reason: 'mock' }
+        })
+        .catch(() => undefined); // answered before it failed
+    }
+  }
+
+  private async _answer(route: Route): Promise<void> {
     const request = route.request();
     const url = new URL(request.url());
     const endpoint = url.pathname.split('/').pop()!;
