@@ -449,8 +449,8 @@ export class InfinijupActions {
     }
     // Just renamed: the session follows the file a moment later. The resume names the
     // notebook by its session's path (its history, the file a copy is made of), so the
-    // session is moved to the file first.
-    await sessionAtFile(panel);
+    // session is moved to the file first (if that fails, the resume names it as before).
+    await sessionAtFile(panel).catch(() => undefined);
     const busyKey = pathKey(panel);
     const handle = this._progress.begin(
       'resume',
