@@ -40,9 +40,16 @@ from helperkit import Trees, start_kernel  # noqa: E402
 
 
 def _fill(kernel, mib: int, distinct: bool) -> None:  # noqa: ANN001
-    blob = f"os.urandom({mib} << 20)" if distinct else f"os.urandom(1 << 20) * {mib}"
-    kernel.execute(f"import os, hashlib\nblob = bytearray({blob})\n"
-                   "digest = hashlib.blake2b(blob).hexdigest()", timeout=600)
+    """N MiB of random bytes, filled in place 64 MiB at a time (built whole and then copied
+    into the bytearray, a 16 GiB kernel would need twice its memory at the start)."""
+    part = "os.urandom(min(step, len(blob) - i))" if distinct else "one[:min(step, len(blob) - i)]"
+    kernel.execute("import os, hashlib\n"
+                   f"blob, step = bytearray({mib} << 20), 64 << 20\n"
+                   "one = os.urandom(1 << 20) * 64\n"
+                   "for i in range(0, len(blob), step):\n"
+                   f"    blob[i:i + step] = {part}\n"
+                   "del one\n"
+                   "digest = hashlib.blake2b(blob).hexdigest()", timeout=1800)
 
 
 class _FromStore:
