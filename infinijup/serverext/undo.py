@@ -155,13 +155,16 @@ class UndoRedo:
         if m.lifecycle.state(kernel_id) == RUNNING:
             park = await asyncio.to_thread(self.may_set_aside, kernel_id)
             return await self._move(kernel_id, what, park)
-        if m.lifecycle.state(kernel_id) == HIBERNATED:
-            return await self._from_hibernation(kernel_id, what)
         t0 = time.perf_counter()
-        # the user waits for it: stored at the server's priority, not niced as a background
-        # automatic snapshot is
-        saved = await snapshot_flow.snapshot(m, kernel_id, message=f"before {what}",
-                                             skip_unchanged=True, auto=True, background=False)
+        if m.lifecycle.state(kernel_id) == HIBERNATED:
+            # its last snapshot is its state, unchanged (hibernation.py): the restore wakes it
+            saved = {"commit": m.heads.get(kernel_id).commit, "unchanged": True}
+        else:
+            # the user waits for it: stored at the server's priority, not niced as a
+            # background automatic snapshot is
+            saved = await snapshot_flow.snapshot(m, kernel_id, message=f"before {what}",
+                                                 skip_unchanged=True, auto=True,
+                                                 background=False)
         save_s = time.perf_counter() - t0
         here = saved["commit"]  # the state being left: HEAD, or the snapshot just taken
         repo = m.repo()
@@ -180,23 +183,6 @@ class UndoRedo:
         self._moved(kernel_id, what, here, target)
         return self._answer(result, what, _cell(repo, here), target, save_s,
                             saved=not saved.get("unchanged"), here=here)
-
-    async def _from_hibernation(self, kernel_id: str, what: str) -> dict:
-        """A hibernated kernel is its last snapshot, unchanged (hibernation.py): an undo goes
-        to HEAD's parent, a redo to the top of its list, by a restore, which wakes it there."""
-        m = self.m
-        head = m.heads.get(kernel_id).commit
-        repo = m.repo()
-        await self._load(kernel_id)
-        parents = repo.get_commit(head).parents if head is not None else []
-        if what == "undo" and not parents:
-            raise Conflict("nothing to undo: the kernel is at the first snapshot of its "
-                           "history", reason="nothing_to_undo")
-        target = self._target(kernel_id, what, parents[0] if what == "undo" else head)
-        result = await m.restore_keeping_settings(kernel_id, target, quiet=True)
-        self._moved(kernel_id, what, head if what == "undo" else None, target)
-        return self._answer(result, what, _cell(repo, head), target, 0.0, saved=False,
-                            here=head)
 
     def _target(self, kernel_id: str, what: str, start: str) -> str:
         """Where the move goes: a redo, to the newest state on the list still in the store;
