@@ -162,8 +162,8 @@ void ij_timings(double *out) {
 }
 
 /* Both ways, in pieces of at most PIECE bytes (the ranges to copy, cut at PIECE boundaries),
- * taken in order by COPIERS threads. Each thread owns one pinned bounce buffer of STAGE bytes
- * per card, allocated at its first piece on that card and freed at the end; for each piece it
+ * the cards' pieces in turn (cards_in_turn), taken in that order by COPIERS threads. Each
+ * thread owns one pinned bounce buffer of STAGE bytes per card, allocated at its first piece on that card and freed at the end; for each piece it
  * makes the file's pages present (a new tmpfs file costs its page allocations and zeroing
  * here) and copies the piece through its buffer, STAGE bytes at a time: GPU to buffer, buffer
  * to pages, or the other way. Small buffers were faster: 24 GB on one H200, 12 threads, went
@@ -174,7 +174,8 @@ void ij_timings(double *out) {
  * on between two cards, 4.4 s of a 29 GB snapshot). */
 #define PIECE (64u << 20)
 #define STAGE (4u << 20)
-#define COPIERS 12
+#define COPIERS 12     /* threads, unless INFINIJUP_VMM_COPIERS says how many (1 to MAX_COPIERS) */
+#define MAX_COPIERS 64
 
 typedef struct {
     char *page; /* the piece's first page and the span of its pages */
@@ -288,10 +289,35 @@ static int add_pieces(Piece **out, int *count, int *cap, char *host, CUdeviceptr
     return 1;
 }
 
+/* The pieces reordered so that the cards take turns: the first piece of each card, then the
+ * second of each, and so on, each card's own pieces in their order. In segment order a model
+ * split over two cards had all of one card's pieces taken before any of the other's, so the
+ * copies used one card's link at a time. Every piece's device is valid here (context_of). */
+static Piece *cards_in_turn(Piece *piece, int count) {
+    Piece *out = malloc(sizeof(Piece) * (size_t)(count ? count : 1));
+    if (!out) return NULL;
+    int scan[MAX_DEVICES] = {0}, n = 0;
+    while (n < count)
+        for (int d = 0; d < MAX_DEVICES; d++) {
+            while (scan[d] < count && piece[scan[d]].device != d) scan[d]++;
+            if (scan[d] < count) out[n++] = piece[scan[d]++];
+        }
+    return out;
+}
+
+/* How many copying threads: INFINIJUP_VMM_COPIERS if it names 1 to MAX_COPIERS, else COPIERS
+ * (one thread takes the pieces strictly in order: the tests read that order). */
+static int copiers(void) {
+    const char *v = getenv("INFINIJUP_VMM_COPIERS");
+    char *end = NULL;
+    long n = v ? strtol(v, &end, 10) : 0;
+    return v && end != v && *end == 0 && n >= 1 && n <= MAX_COPIERS ? (int)n : COPIERS;
+}
+
 /* Copy every segment on the GPU out into base, at its offset (to_host: its copy list, live
  * ranges, or all of it), or every segment just mapped again back from base (its live ranges, or
  * all of it). Nothing is released or unmapped here. Returns the first piece's failure, with
- * *moved the bytes of the pieces before it. */
+ * *moved the bytes of the pieces taken before it. */
 static CUresult copy_pieces(char *base, int to_host, long long *moved) {
     Piece *piece = NULL;
     int count = 0, cap = 0;
@@ -316,12 +342,16 @@ static CUresult copy_pieces(char *base, int to_host, long long *moved) {
             free(piece);
             return 201; /* CUDA_ERROR_INVALID_CONTEXT */
         }
+    Piece *turns = cards_in_turn(piece, count);
+    free(piece);
+    if (!turns) return 2; /* CUDA_ERROR_OUT_OF_MEMORY */
+    piece = turns;
     CUcontext caller = current_context();
     Plan plan = {piece, count, 0, 0, to_host, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
                  {0}};
-    pthread_t threads[COPIERS];
-    int started = 0;
-    for (int t = 0; t < COPIERS && t < count; t++)
+    pthread_t threads[MAX_COPIERS];
+    int started = 0, want = copiers();
+    for (int t = 0; t < want && t < count; t++)
         if (pthread_create(&threads[t], NULL, copy_thread, &plan) == 0) started++;
     if (started == 0 && count > 0) copy_thread(&plan); /* no thread could start: all here */
     CUresult res = 0;

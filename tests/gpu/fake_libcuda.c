@@ -5,7 +5,9 @@
  * an inaccessible mapping back, so a byte read of a released segment faults as on the GPU.
  * It checks what the real driver would refuse: a copy needs the context of the device whose
  * memory it touches to be current in the calling thread. fake_fail_copy_at(n) makes the n-th
- * copy from now fail; fake_host_live() counts page-locked host allocations not yet freed.
+ * copy from now fail; fake_host_live() counts page-locked host allocations not yet freed;
+ * fake_copy_log(device, bytes, max) gives the device and length of each copy since the last
+ * call (the first `max`).
  *     cc -O2 -shared -fPIC -Wl,-soname,libcuda.so.1 -o libcuda.so.1 fake_libcuda.c -lpthread
  */
 #define _GNU_SOURCE
@@ -30,6 +32,21 @@ static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static struct { uintptr_t start; size_t len; int device; } ranges[RANGES]; /* mapped memory */
 static long copies_left = -1; /* fake_fail_copy_at: copies before the failing one; -1: none */
 static long host_live;
+
+#define LOG 4096
+static int log_device[LOG];
+static size_t log_bytes[LOG];
+static long logged;
+
+long fake_copy_log(int *device, size_t *bytes, long max) {
+    pthread_mutex_lock(&lock);
+    long n = logged < max ? logged : max;
+    memcpy(device, log_device, sizeof(int) * (size_t)n);
+    memcpy(bytes, log_bytes, sizeof(size_t) * (size_t)n);
+    logged = 0;
+    pthread_mutex_unlock(&lock);
+    return n;
+}
 
 void fake_fail_copy_at(long n) { __atomic_store_n(&copies_left, n - 1, __ATOMIC_SEQ_CST); }
 long fake_host_live(void) { return __atomic_load_n(&host_live, __ATOMIC_SEQ_CST); }
@@ -135,6 +152,10 @@ static CUresult reachable(CUdeviceptr dev, size_t len) {
     for (int i = 0; i < RANGES; i++)
         if (ranges[i].len && ranges[i].start <= dev && dev + len <= ranges[i].start + ranges[i].len)
             res = ranges[i].device == device ? 0 : 1;
+    if (res == 0 && logged < LOG) {
+        log_device[logged] = device;
+        log_bytes[logged++] = len;
+    }
     pthread_mutex_unlock(&lock);
     if (res == 0 && __atomic_fetch_sub(&copies_left, 1, __ATOMIC_SEQ_CST) == 0) res = 999;
     return res;

@@ -2,8 +2,8 @@
 machine: the real library over a stand-in CUDA driver (fake_libcuda.c: "device" memory is
 host memory, a released segment's bytes fault, a copy needs its device's context current in
 the calling thread). Segments on two devices, larger than a piece (64 MiB), with live ranges;
-a copy failing out or back; the threads' bounce buffers freed every time; and the segments
-into pinned host copies and back (ij_sleep, ij_wake). The GPU machine runs
+a copy failing out or back; the threads' bounce buffers freed every time; the segments
+into pinned host copies and back (ij_sleep, ij_wake); the cards' pieces taken in turn. The GPU machine runs
 the same path for real (tests/kernel/test_gpu_arena.py, test_gpu_multi.py)."""
 
 from __future__ import annotations
@@ -125,7 +125,9 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def test_segments_go_out_and_back_through_bounce_buffers(tmp_path: Path) -> None:
+def run_child(tmp_path: Path, child: str) -> None:
+    """Build the stand-in driver and the allocator, run ``child`` over them in a process of
+    its own, and check that it printed ok."""
     cc = shutil.which("cc")
     if cc is None:
         pytest.skip("no C compiler (cc) to build the allocator and the stand-in driver")
@@ -135,7 +137,59 @@ def test_segments_go_out_and_back_through_bounce_buffers(tmp_path: Path) -> None
     gpu = REPO / "infinijup" / "gpu"
     subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(lib), str(gpu / "vmm_alloc.c"),
                     str(gpu / "vmm_arena.c"), "-ldl", "-lpthread"], check=True)
-    out = subprocess.run([sys.executable, "-c", CHILD, str(fake), str(lib),
+    out = subprocess.run([sys.executable, "-c", child, str(fake), str(lib),
                           str(tmp_path / "arena")], cwd=REPO, capture_output=True, text=True,
                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}, timeout=600)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_segments_go_out_and_back_through_bounce_buffers(tmp_path: Path) -> None:
+    run_child(tmp_path, CHILD)
+
+
+IN_TURN = textwrap.dedent("""
+    import ctypes, os, sys
+    fake = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
+    os.environ["INFINIJUP_VMM_LIB"] = sys.argv[2]
+    os.environ["INFINIJUP_VMM_COPIERS"] = "1"  # one thread: the pieces go strictly in order
+    from infinijup.gpu import vmm
+    lib, arena = vmm._lib(), sys.argv[3]
+    lib.ij_malloc.restype = ctypes.c_void_p
+    lib.ij_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    fake.fake_copy_log.argtypes = [ctypes.POINTER(ctypes.c_int),
+                                   ctypes.POINTER(ctypes.c_size_t), ctypes.c_long]
+    MiB = 1 << 20
+
+    # a model split over two cards: 192 MiB on card 0, then 128 MiB on card 1
+    segs = [(lib.ij_malloc(n, dev, None), n) for n, dev in [(192 * MiB, 0), (128 * MiB, 1)]]
+    assert all(p for p, _ in segs), "ij_malloc failed"
+    for k, (p, n) in enumerate(segs):
+        ctypes.memset(p, 0x11 * (k + 1), n)
+    want = [ctypes.string_at(p, n) for p, n in segs]
+
+    def runs():  # the copies as runs of one card: [card, MiB]
+        device, size = (ctypes.c_int * 4096)(), (ctypes.c_size_t * 4096)()
+        out = []
+        for i in range(fake.fake_copy_log(device, size, 4096)):
+            if out and out[-1][0] == device[i]:
+                out[-1][1] += size[i] / MiB
+            else:
+                out.append([device[i], size[i] / MiB])
+        return out
+
+    runs()
+    for way, step in (("out", vmm.sleep_into), ("back", vmm.wake_from)):
+        assert step(arena) == sum(n for _, n in segs), way
+        got = runs()
+        # the cards take turns, a piece (64 MiB at most) each, until one has none left
+        assert len(got) >= 4 and all(mib <= 64 for _, mib in got[:-1]), (way, got)
+        assert {d: sum(m for c, m in got if c == d) for d in (0, 1)} == {0: 192, 1: 128}, got
+    assert [ctypes.string_at(p, n) for p, n in segs] == want, "bytes lost on the way"
+    print("ok")
+""")
+
+
+def test_the_cards_take_turns(tmp_path: Path) -> None:
+    """A model split over two cards goes out and back with the cards' pieces in turn, so both
+    cards' links carry copies at once (in segment order, all of one card went first)."""
+    run_child(tmp_path, IN_TURN)
