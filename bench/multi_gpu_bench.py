@@ -170,7 +170,9 @@ def row_for(gpus: int, shape: str, batch: int, context: int, repeat: int = 1,
         row.update(restores=" ".join(f"{x:.2f}" for x in restores),
                    restore_median_s=statistics.median(restores))
         if not resume:
+            row["sampling_equal"] = "after each restore"
             kernel.kc.stop_channels()
+            log(f"row: {json.dumps(row)}")  # before the clean-up, which can take minutes
             return row
 
         kernel.kc.stop_channels()  # the kernel ends: its pids and cards are free again
@@ -184,8 +186,9 @@ def row_for(gpus: int, shape: str, batch: int, context: int, repeat: int = 1,
         row["resume_s"] = time.perf_counter() - t0
         drawn = other.evaluate(s="sample()")["s"]
         assert drawn == expect_newest, f"the resumed kernel drew {drawn}, not {expect_newest}"
-        row["sampling_equal"] = "after restore and resume"
+        row["sampling_equal"] = "after each restore and the resume"
         other.kc.stop_channels()
+        log(f"row: {json.dumps(row)}")
     finally:
         server.stop()
         daemon.stop()
