@@ -232,6 +232,8 @@ def main() -> None:
     ap.add_argument("--no-resume", dest="resume", action="store_false",
                     help="leave out the resume into a new kernel")
     args = ap.parse_args()
+    if args.repeat < 1:
+        ap.error("--repeat: at least 1")
     rows = []
     for gpus in args.gpus:
         row = row_for(gpus, args.shape, args.batch, args.context, args.repeat, args.resume)

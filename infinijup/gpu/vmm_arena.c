@@ -163,15 +163,16 @@ void ij_timings(double *out) {
 
 /* Both ways, in pieces of at most PIECE bytes (the ranges to copy, cut at PIECE boundaries),
  * the cards' pieces in turn (cards_in_turn), taken in that order by COPIERS threads. Each
- * thread owns one pinned bounce buffer of STAGE bytes per card, allocated at its first piece on that card and freed at the end; for each piece it
- * makes the file's pages present (a new tmpfs file costs its page allocations and zeroing
- * here) and copies the piece through its buffer, STAGE bytes at a time: GPU to buffer, buffer
- * to pages, or the other way. Small buffers were faster: 24 GB on one H200, 12 threads, went
- * out in 0.81 s into a file that had its pages, against 1.41 s through 64 MiB buffers and 6
- * threads (docs/benchmarks.md). Likely because a small buffer is still in the CPU's cache
- * between the DMA and the memcpy (not measured). The file's pages themselves are never
- * pinned: unpinning a piece costs more with every context that can reach it (with peer access
- * on between two cards, 4.4 s of a 29 GB snapshot). */
+ * thread owns one pinned bounce buffer of STAGE bytes per card, allocated at its first piece
+ * on that card and freed at the end; for each piece it makes the file's pages present (a new
+ * tmpfs file costs its page allocations and zeroing here) and copies the piece through its
+ * buffer, STAGE bytes at a time: GPU to buffer, buffer to pages, or the other way. Small
+ * buffers were faster: 24 GB on one H200, 12 threads, went out in 0.81 s into a file that had
+ * its pages, against 1.41 s through 64 MiB buffers and 6 threads (docs/benchmarks.md). Likely
+ * because a small buffer is still in the CPU's cache between the DMA and the memcpy (not
+ * measured). The file's pages themselves are never pinned: unpinning a piece costs more with
+ * every context that can reach it (with peer access on between two cards, 4.4 s of a 29 GB
+ * snapshot). */
 #define PIECE (64u << 20)
 #define STAGE (4u << 20)
 #define COPIERS 12     /* threads, unless INFINIJUP_VMM_COPIERS says how many (1 to MAX_COPIERS) */
