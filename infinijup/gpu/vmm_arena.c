@@ -307,12 +307,16 @@ static Piece *cards_in_turn(Piece *piece, int count) {
 }
 
 /* How many copying threads: INFINIJUP_VMM_COPIERS if it names 1 to MAX_COPIERS, else COPIERS
- * (one thread takes the pieces strictly in order: the tests read that order). */
-static int copiers(void) {
+ * (one thread takes the pieces strictly in order: the tests read that order). Read once, as
+ * the library is loaded: a getenv during a copy could race with the kernel's own threads
+ * changing the environment. */
+static int copiers = COPIERS;
+
+__attribute__((constructor)) static void read_copiers(void) {
     const char *v = getenv("INFINIJUP_VMM_COPIERS");
     char *end = NULL;
     long n = v ? strtol(v, &end, 10) : 0;
-    return v && end != v && *end == 0 && n >= 1 && n <= MAX_COPIERS ? (int)n : COPIERS;
+    if (v && end != v && *end == 0 && n >= 1 && n <= MAX_COPIERS) copiers = (int)n;
 }
 
 /* Copy every segment on the GPU out into base, at its offset (to_host: its copy list, live
@@ -351,8 +355,8 @@ static CUresult copy_pieces(char *base, int to_host, long long *moved) {
     Plan plan = {piece, count, 0, 0, to_host, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
                  {0}};
     pthread_t threads[MAX_COPIERS];
-    int started = 0, want = copiers();
-    for (int t = 0; t < want && t < count; t++)
+    int started = 0;
+    for (int t = 0; t < copiers && t < count; t++)
         if (pthread_create(&threads[t], NULL, copy_thread, &plan) == 0) started++;
     if (started == 0 && count > 0) copy_thread(&plan); /* no thread could start: all here */
     CUresult res = 0;
