@@ -2,9 +2,9 @@
 machine: the real library over a stand-in CUDA driver (fake_libcuda.c: "device" memory is
 host memory, a released segment's bytes fault, a copy needs its device's context current in
 the calling thread). Segments on two devices, larger than a piece (64 MiB), with live ranges;
-a copy failing out or back; the threads' bounce buffers freed every time; the segments
-into pinned host copies and back (ij_sleep, ij_wake); the cards' pieces taken in turn. The GPU machine runs
-the same path for real (tests/kernel/test_gpu_arena.py, test_gpu_multi.py)."""
+a copy failing out or back; the threads' bounce buffers freed every time; the segments into
+pinned host copies and back (ij_sleep, ij_wake); the cards' pieces taken in turn. The GPU
+machine runs the same path for real (tests/kernel/test_gpu_arena.py, test_gpu_multi.py)."""
 
 from __future__ import annotations
 
