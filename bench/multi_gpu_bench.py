@@ -5,10 +5,10 @@ The notebook builds a Llama-shaped model with random bf16 weights (``--shape``: 
 for "13b"), on one card or split layer by layer over ``N`` cards with accelerate's
 ``dispatch_model`` (what ``device_map="auto"`` does), and fills a KV cache with a forward pass
 over ``batch x context`` tokens. Then: a snapshot (pause, the segments' way out, a next cell
-sent while the kernel is held), ``--repeat`` snapshots after one MLP changed on the first and
-the last card, as many restores of the newest to the first answer (hot tier) and a resume of
-it into a new kernel, each checked by sampled generation in deterministic mode (the draw must
-be the one made after that snapshot).
+sent while the kernel is held), ``--changes`` snapshots after one MLP changed on the first and
+the last card, ``--restores`` restores of the newest to the first answer (hot tier) and a
+resume of it into a new kernel (``--repeat``: as many of both), each checked by sampled
+generation in deterministic mode (the draw must be the one made after that snapshot).
 
     python3 bench/multi_gpu_bench.py --gpus 1 2            # on nvidia-h100-x2, ~8 minutes
 
@@ -94,14 +94,35 @@ def pause_phases(server, kernel_id: str, commit: str) -> str:  # noqa: ANN001
                        for k, v in (meta.get("timings") or {}).items() if k.startswith("helper_")})
 
 
+def image_parts(store: str, commit: str) -> str:
+    """The commit's image by kind: CRIU's page files, the GPU segments file, the rest (GB,
+    apparent sizes, as ``image_bytes`` counts them)."""
+    from infinijup.gpu import arena as gpu_arena
+    from infinijup.store.repository import Repository
+
+    repo = Repository.open(store)
+    try:
+        tree = repo.get_tree(repo.get_commit(commit).tree)
+    finally:
+        repo.close()
+    parts = {"pages": 0, "segments": 0, "other": 0}
+    for e in tree:
+        if e.kind != "file":
+            continue
+        kind = ("pages" if e.name.startswith("pages-") else
+                "segments" if e.name == gpu_arena.IMAGE_NAME else "other")
+        parts[kind] += e.size
+    return " / ".join(f"{k} {v / GB:.2f}" for k, v in parts.items())
+
+
 def restore_parts(phases: dict) -> str:
     """A restore's timed parts, rounded (the server's steps and the helper's phases)."""
     return " ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in phases.items()
                     if isinstance(v, (int, float)) and not isinstance(v, bool))
 
 
-def row_for(gpus: int, shape: str, batch: int, context: int, repeat: int = 1,
-            resume: bool = True) -> dict:
+def row_for(gpus: int, shape: str, batch: int, context: int, changes: int = 1,
+            restores: int = 1, resume: bool = True) -> dict:
     hidden, inter, layers, heads, kv = SHAPES[shape]
     row: dict = {"run": f"{shape} on {gpus} GPU" + ("s" if gpus > 1 else "")}
     daemon = start_helper()
@@ -130,45 +151,51 @@ def row_for(gpus: int, shape: str, batch: int, context: int, repeat: int = 1,
                    segments_gb=seg.get("bytes", 0) / GB, segments_s=seg.get("seconds"),
                    segments_parts=segment_parts(seg), image_gb=stats["image_bytes"] / GB,
                    stored_gb=stats["stored_bytes"] / GB,
-                   pause_phases=pause_phases(server, kernel_id, snap["body"]["commit"]))
-        log(f"first snapshot: pause {stats['pause_s']:.2f} s, durable {snap['durable_s']:.1f} s")
+                   pause_phases=pause_phases(server, kernel_id, snap["body"]["commit"]),
+                   image_parts_gb=image_parts(store, snap["body"]["commit"]))
+        log(f"first snapshot: pause {stats['pause_s']:.2f} s, durable {snap['durable_s']:.1f} s "
+            f"(store {stats.get('store_s') or 0:.1f} s); image {row['image_parts_gb']} GB")
 
-        # Snapshots after a small change (the pause a user meets most), `repeat` of them.
+        # Snapshots after a small change (the pause a user meets most), `changes` of them.
         pauses = []
-        for i in range(repeat):
+        second = snap
+        for i in range(changes):
             execute(kernel.kc, CHANGE, timeout=600)
             second = snapshot_with_next_cell(server, kernel, kernel_id,
                                              f"one MLP per end card ({i + 1})", NEXT_CELL)
             s2 = second["body"]["stats"]
             pauses.append(s2["pause_s"])
-            log(f"snapshot after a change {i + 1}: pause {s2['pause_s']:.2f} s")
+            log(f"snapshot after a change {i + 1}: pause {s2['pause_s']:.2f} s, durable "
+                f"{second['durable_s']:.1f} s (store {s2.get('store_s') or 0:.1f} s)")
             if i == 0:
                 seg2 = s2.get("gpu_segments") or {}
                 row.update(second_pause_s=s2["pause_s"], second_quiesce_s=s2["quiesce_s"],
                            second_segments_mb=seg2.get("bytes", 0) / 1e6,
                            second_stored_mb=s2["stored_bytes"] / 1e6)
-        row.update(changed_pauses=" ".join(f"{x:.2f}" for x in pauses),
-                   changed_pause_median_s=statistics.median(pauses),
-                   changed_pause_phases=pause_phases(server, kernel_id,
-                                                     second["body"]["commit"]))
+        if pauses:
+            row.update(changed_pauses=" ".join(f"{x:.2f}" for x in pauses),
+                       changed_pause_median_s=statistics.median(pauses),
+                       changed_pause_phases=pause_phases(server, kernel_id,
+                                                         second["body"]["commit"]))
 
-        # Restores of the newest snapshot to the first answer, `repeat` of them. Its images
+        # Restores of the newest snapshot to the first answer, `restores` of them. Its images
         # are the hot tier's newest: the tier gives way to each dump oldest first, and on a
         # disk of 128 GB the first snapshot's were gone after three more 32 GB dumps.
         newest = second["body"]["commit"]
         expect_newest = kernel.evaluate(s="sample()")["s"]
-        restores = []
-        for i in range(repeat):
+        took = []
+        for i in range(restores):
             hot = restore_timed(server, kernel, kernel_id, newest, expect_newest)
-            log(f"restore {i + 1}: {hot['s']:.2f} s ({hot['phases'].get('images')})")
-            restores.append(hot["s"])
+            log(f"restore {i + 1}: {hot['s']:.2f} s ({hot['phases'].get('images')}): "
+                f"{restore_parts(hot['phases'])}")
+            took.append(hot["s"])
             row[f"restore_{i + 1}_parts"] = restore_parts(hot["phases"])
             if i == 0:
                 row.update(restore_hot_s=hot["s"], restore_phases=json.dumps(
                     {k: hot["phases"][k] for k in ("images", "restore", "cuda_restore",
                                                    "answer_s") if k in hot["phases"]}))
-        row.update(restores=" ".join(f"{x:.2f}" for x in restores),
-                   restore_median_s=statistics.median(restores))
+        row.update(restores=" ".join(f"{x:.2f}" for x in took),
+                   restore_median_s=statistics.median(took))
         if not resume:
             row["sampling_equal"] = "after each restore"
             kernel.kc.stop_channels()
@@ -206,6 +233,7 @@ METRICS = [("cards", "cards holding the model"), ("live_gb", "live GPU memory (G
            ("segments_s", "segments out (s)"),
            ("segments_parts", f"{PARTS_LABEL} (s)"),
            ("durable_s", "durable commit (s)"), ("image_gb", "image (GB)"),
+           ("image_parts_gb", "image: CRIU pages / segments / other (GB)"),
            ("stored_gb", "stored (GB)"), ("second_pause_s", "second snapshot: pause (s)"),
            ("second_segments_mb", "second: segments copied (MB)"),
            ("second_stored_mb", "second: stored (MB)"),
@@ -229,29 +257,39 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=1,
                     help="snapshots after a change, and hot restores, per row (medians)")
+    ap.add_argument("--changes", type=int, default=None,
+                    help="snapshots after a change per row (default: --repeat; 0: none, the "
+                         "restores then restore the first snapshot)")
+    ap.add_argument("--restores", type=int, default=None,
+                    help="hot restores per row (default: --repeat)")
     ap.add_argument("--no-resume", dest="resume", action="store_false",
                     help="leave out the resume into a new kernel")
     args = ap.parse_args()
-    if args.repeat < 1:
-        ap.error("--repeat: at least 1")
+    changes = args.repeat if args.changes is None else args.changes
+    restores = args.repeat if args.restores is None else args.restores
+    if args.repeat < 1 or changes < 0 or restores < 1:
+        ap.error("--repeat and --restores: at least 1; --changes: at least 0")
     rows = []
     for gpus in args.gpus:
-        row = row_for(gpus, args.shape, args.batch, args.context, args.repeat, args.resume)
+        row = row_for(gpus, args.shape, args.batch, args.context, changes, restores,
+                      args.resume)
         print(json.dumps(row), flush=True)
         rows.append(row)
     smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip().replace("\n", "; ")
-    print(f"\nGPUs: {smi}; {time.strftime('%Y-%m-%d')}; one run per row, {args.repeat} "
-          "pause(s) after a change and hot restore(s) in each\n")
+    print(f"\nGPUs: {smi}; {time.strftime('%Y-%m-%d')}; one run per row, {changes} "
+          f"pause(s) after a change and {restores} hot restore(s) in each\n")
     print(transposed_table(rows, [r["run"] for r in rows], METRICS))
     one = next((r for r in rows if r["run"].endswith("on 1 GPU")), None)
     for r in rows:
         if one is None or r is one:
             continue
+        changed = (f"pause after a change "
+                   f"{r['changed_pause_median_s'] / one['changed_pause_median_s']:.2f}x, "
+                   if "changed_pause_median_s" in r and "changed_pause_median_s" in one else "")
         print(f"\n{r['run']} / {one['run']}: pause {r['pause_s'] / one['pause_s']:.2f}x, "
               f"restore to first answer {r['restore_hot_s'] / one['restore_hot_s']:.2f}x; "
-              f"medians: pause after a change "
-              f"{r['changed_pause_median_s'] / one['changed_pause_median_s']:.2f}x, restore "
+              f"medians: {changed}restore "
               f"{r['restore_median_s'] / one['restore_median_s']:.2f}x (aim: within 1.3x)")
 
 
