@@ -29,7 +29,7 @@ from ..store.objects import Blob, File
 from ..store.thinned import CommitThinned
 from ..store.writer import entries_from_dir
 from . import criu_hints
-from .extra_files import copy_sparse, data_bytes, open_extra
+from .extra_files import HotCopy, data_bytes, open_extra
 from .hot_tier import HotTier, _allocated
 from .ingest_progress import CountingWriter, IngestProgress, Progress
 from .niced import run_niced
@@ -170,6 +170,7 @@ class SnapshotEngine:
         except BaseException:
             self._discard(dumped.images)
             raise
+        hot_copy: HotCopy | None = None
         try:
             if on_dumped is not None:
                 on_dumped(dumped)
@@ -189,10 +190,15 @@ class SnapshotEngine:
                         target = replan(exc)
                 raise AssertionError("unreachable")
 
-            commit = run_niced(store, self.ingest_nice if background else 0)
+            nice = self.ingest_nice if background else 0
+            hot_copy = self._start_hot_copy(dumped, nice)
+            commit = run_niced(store, nice)
             t_store = time.perf_counter()
-            hot = self.keep_hot(dumped, commit)
+            hot = self.keep_hot(dumped, commit, hot_copy)
         finally:
+            if hot_copy is not None:  # stopped if the store failed; done (a no-op) if not
+                hot_copy.cancel()
+                self._discard(hot_copy.where)
             self._discard(dumped.images)  # nothing left to remove when it went hot
             for fd in dumped.extra.values():
                 os.close(fd)
@@ -290,18 +296,32 @@ class SnapshotEngine:
         base = getattr(self.repo, "_base_tree", None)
         return base(parents, thread) if base is not None else None
 
-    def keep_hot(self, dumped: Dumped, commit) -> bool:  # noqa: ANN001
-        """Move the committed images into the hot tier (if it takes them), with a copy of
-        the extra files (their live data only: holes stay holes) when they fit too."""
+    def _start_hot_copy(self, dumped: Dumped, nice: int) -> HotCopy | None:
+        """The extra files' copy for the hot tier (their live data only: holes stay holes),
+        started beside the store's ingest; None where there is nothing to copy or the tier
+        could not take it."""
+        if self.hot_tier_bytes <= 0 or not dumped.extra:
+            return None
+        try:
+            extra = sum(data_bytes(fd) for fd in dumped.extra.values())
+            if _allocated(dumped.images) + extra > self.hot_tier().budget:
+                return None
+            return HotCopy(dumped.extra, self._new_dir("hotcopy"), nice)
+        except (OSError, InfinijupError):
+            return None
+
+    def keep_hot(self, dumped: Dumped, commit, hot_copy: HotCopy | None = None) -> bool:  # noqa: ANN001
+        """Move the committed images into the hot tier (if it takes them), with the copy of
+        the extra files (``hot_copy``), which must be whole: without it, a snapshot with
+        extra files stays out of the tier."""
         if self.hot_tier_bytes <= 0:
             return False
         try:
             if dumped.extra:
-                extra = sum(data_bytes(fd) for fd in dumped.extra.values())
-                if _allocated(dumped.images) + extra > self.hot_tier().budget:
+                if hot_copy is None or not hot_copy.copied():
                     return False
-                for name, fd in dumped.extra.items():
-                    copy_sparse(fd, dumped.images / name)
+                for name in dumped.extra:
+                    os.rename(hot_copy.where / name, dumped.images / name)
             return self.hot_tier().keep(dumped.images, commit, self.repo.get_tree(commit.tree))
         except (OSError, InfinijupError):
             return False  # a cache: the commit is in the store either way
