@@ -13,15 +13,19 @@ The pages are served by a process of the server's user started for the restore
 woken kernel's memory streams in must not end that kernel, and the chunks are decoded off the
 server's event loop. The helper checks that the socket's peer is the caller. Two connections
 (faults, the stream); the process ends when the helper lets go (the memory is back, or the restore failed), or,
-once told the restore is over, at once if nobody connected. It opens the packs that hold the
-pages before the restore starts, so the remote tier's eviction or a gc meanwhile cannot take
-them from under the stream. An encrypted store is unlocked again in that process (from the
-environment, as every process of the store).
+once told the restore is over, at once if nobody connected. It keeps open every pack that
+holds the pages, so the remote tier's eviction or a gc meanwhile cannot take them from under
+the stream. Where a page file's blob has a layout (store/layouts.py) the process is ready as
+soon as it has read it: the chunks are located, and their packs opened, behind the restore
+(and an ask locates what it needs first). A chunk the store lacks then fails the restore
+while it runs, as a pack removed mid-stream does, rather than before it starts; a pack evicted
+in the second or so before it is opened does too. Without a layout (an older store, an
+encrypted one) every chunk is located first, as before. An encrypted store is unlocked again
+in that process (from the environment, as every process of the store).
 """
 
 from __future__ import annotations
 
-import bisect
 import json
 import logging
 import os
@@ -36,10 +40,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
+
 from ..errors import RestoreFailed
+from ..store import layouts
 from ..store.checkout import Materializer
-from ..store.errors import ObjectMissing
+from ..store.errors import CorruptObject, ObjectMissing
 from ..store.faults import crashpoint
+from ..store.index import Location
 from ..store.packs import DELTA, decode_payload
 from ..store.reader import ObjectReader
 from ..store.thinned import refuse_thinned
@@ -51,6 +59,7 @@ CACHE_CHUNKS = 256  # single chunks kept (about 8 MiB): faults ask page by page 
 RUN = 1 << 20  # stored bytes read at once
 PARALLEL = 1 << 20  # a request this large is decoded on the pool, run by run
 THREADS = 2
+LOOKUP_BATCH = 8192  # chunks located at once behind the restore
 
 
 def is_page_file(name: str) -> bool:
@@ -107,16 +116,27 @@ def checkout_serving_pages(repo, commit_id: str, target: Path) -> StorePagesProc
 
 
 class _Blob:
+    """A page file's chunks: where each starts (``starts``, ``lengths``) and where each is
+    stored (``locs``). With a layout (store/layouts.py) the starts are known at once and
+    the locations are filled in behind the restore (StorePages) or as asks need them;
+    without one, every chunk is looked up here, as the serving process starts."""
+
     def __init__(self, repo, blob_id: str) -> None:  # noqa: ANN001
         self.size, self.chunks = repo.get_blob_chunks(blob_id)
+        self.locs: dict[bytes, Location] = {}
+        known = None if repo.key is not None else layouts.starts(
+            repo.index.layout(bytes.fromhex(blob_id)), len(self.chunks), self.size)
+        self.behind = known is not None  # locations to look up behind the restore
+        if known is not None:
+            self.starts, self.lengths = known
+            return
         self.locs = repo.index.lookup_many(self.chunks)
         missing = [c for c in self.chunks if c not in self.locs]
         if missing:
             raise ObjectMissing(f"chunk {missing[0].hex()} is not in the store")
-        self.starts, at = [], 0
-        for c in self.chunks:
-            self.starts.append(at)
-            at += self.locs[c].raw_length
+        self.lengths = np.fromiter((self.locs[c].raw_length for c in self.chunks),
+                                   dtype=np.int64, count=len(self.chunks))
+        self.starts = np.cumsum(self.lengths) - self.lengths
 
 
 class StorePagesProcess:
@@ -204,16 +224,56 @@ class StorePages:
     def __init__(self, repo, pages: dict[str, str]) -> None:  # noqa: ANN001
         self.reader = ObjectReader(repo)
         self.files = {name: _Blob(repo, blob) for name, blob in pages.items()}
-        # every pack opened now: one the remote tier evicts or gc removes while the pages
-        # stream stays readable through its descriptor
+        # every pack opened as soon as its chunks are looked up: one the remote tier evicts
+        # or gc removes while the pages stream stays readable through its descriptor
         for blob in self.files.values():
-            for loc in blob.locs.values():
-                self.reader.pack_fd(loc.pack)
+            self._open_packs(blob.locs.values())
         self.served = 0
         self.error: str | None = None
         self._cache: OrderedDict[bytes, bytes] = OrderedDict()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="store-pages")
+        self._stop = threading.Event()
+        self._behind = threading.Thread(target=self._look_up_behind, daemon=True,
+                                        name="store-pages-lookups")
+        self._behind.start()
+
+    def _open_packs(self, locs) -> None:  # noqa: ANN001 - Iterable[Location]
+        for pack in {loc.pack for loc in locs}:
+            self.reader.pack_fd(pack)
+
+    def _look_up(self, blob: _Blob, first: int, last: int) -> None:
+        """Chunks [first, last) of ``blob`` located (those not yet), their packs opened;
+        ObjectMissing for one the store lacks, CorruptObject for one whose length is not
+        the layout's."""
+        ids = [c for c in blob.chunks[first:last] if c not in blob.locs]
+        if not ids:
+            return
+        found = self.reader.repo.index.lookup_many(ids)
+        for k in range(first, last):
+            c = blob.chunks[k]
+            loc = found.get(c) or blob.locs.get(c)
+            if loc is None:
+                raise ObjectMissing(f"chunk {c.hex()} is not in the store")
+            if loc.raw_length != blob.lengths[k]:
+                raise CorruptObject(f"chunk {c.hex()}: {loc.raw_length} bytes, its blob's "
+                                    f"layout says {blob.lengths[k]}")
+        self._open_packs(found.values())
+        blob.locs.update(found)
+
+    def _look_up_behind(self) -> None:
+        """Every chunk of the files with a layout located, in file order, behind the
+        restore (the asks look up what they need that is not there yet)."""
+        try:
+            for blob in self.files.values():
+                if not blob.behind:
+                    continue
+                for first in range(0, len(blob.chunks), LOOKUP_BATCH):
+                    if self._stop.is_set():
+                        return
+                    self._look_up(blob, first, min(len(blob.chunks), first + LOOKUP_BATCH))
+        except Exception as exc:  # noqa: BLE001 - an ask for that chunk fails with it too
+            log.warning("looking a restore's pages up in the store: %s", exc)
 
     def serve(self, conn: socket.socket, stream: bool = False) -> None:
         """Answer the helper's asks until it lets go."""
@@ -232,6 +292,8 @@ class StorePages:
             log.warning("serving a restore's pages from the store: %s", self.error)
 
     def close(self) -> None:
+        self._stop.set()
+        self._behind.join()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self.reader.close()
 
@@ -240,15 +302,17 @@ class StorePages:
         if offset + length > blob.size:
             raise ValueError(f"{name}: {offset}+{length} is past its {blob.size} bytes")
         end = offset + length
-        first = bisect.bisect_right(blob.starts, offset) - 1
-        last = bisect.bisect_left(blob.starts, end)  # chunks [first, last) hold the range
+        first = int(np.searchsorted(blob.starts, offset, side="right")) - 1
+        last = int(np.searchsorted(blob.starts, end, side="left"))  # [first, last) hold it
+        if blob.behind:
+            self._look_up(blob, first, last)
         runs = self._runs(blob, first, last)
         if length >= PARALLEL and len(runs) > 1:
             parts = list(self._pool.map(lambda r: self._decode(blob, r), runs))
         else:
             parts = [self._decode(blob, r) for r in runs]
         joined = parts[0] if len(parts) == 1 else b"".join(parts)
-        skip = offset - blob.starts[first]
+        skip = offset - int(blob.starts[first])
         return memoryview(joined)[skip:skip + length]  # the bytes asked, not copied again
 
     def _runs(self, blob: _Blob, first: int, last: int) -> list[tuple[int, int]]:

@@ -8,7 +8,10 @@ concurrent processes queue rather than fail.
 Tables: ``packs`` (one row per pack file), ``objects`` (object id -> pack, offset, lengths,
 type, compression), ``commits`` (id, created, thread, tree, encoded commit),
 ``commit_parents`` and ``commit_meta`` (top-level metadata key -> canonical JSON value, so
-snapshots can be found by notebook path, kernel id, ...).
+snapshots can be found by notebook path, kernel id, ...), ``layouts`` (a large blob's id ->
+its chunks' lengths, zstd-compressed little-endian uint32: where each chunk starts, known
+without looking every chunk up; written by the writer that stored the blob, none in an
+encrypted store).
 
 In an encrypted store (``key``, a local_crypto.StoreKey) the index holds nothing in the
 clear that the files do not: ``commits.body`` is the commit's sealed file, ``commits.thread``
@@ -68,6 +71,7 @@ CREATE TABLE IF NOT EXISTS commit_meta (
     PRIMARY KEY (commit_id, key)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS commit_meta_kv ON commit_meta (key, value);
+CREATE TABLE IF NOT EXISTS layouts (id BLOB PRIMARY KEY, lengths BLOB NOT NULL) WITHOUT ROWID;
 """
 
 
@@ -201,12 +205,24 @@ class Index:
         self._write(_pack_statements([(n, s, len(e), e) for n, s, e in packs], replace))
 
     def remove_packs(self, names: Iterable[str]) -> None:
-        """Forget packs and every object located in them."""
+        """Forget packs and every object located in them (and the layouts of blobs gone)."""
         rows = [(n,) for n in names]
         self._write([
             ("DELETE FROM objects WHERE pid IN (SELECT pid FROM packs WHERE name=?)", rows, True),
             ("DELETE FROM packs WHERE name=?", rows, True),
+            ("DELETE FROM layouts WHERE NOT EXISTS "
+             "(SELECT 1 FROM objects o WHERE o.id = layouts.id)", (), False),
         ])
+
+    def add_layouts(self, rows: list[tuple[bytes, bytes]]) -> None:
+        """Record blobs' layouts, (blob id, compressed lengths); a known one is kept."""
+        if rows:
+            self._write([("INSERT OR IGNORE INTO layouts VALUES (?, ?)", rows, True)])
+
+    def layout(self, blob_id: bytes) -> bytes | None:
+        """A blob's recorded layout (compressed lengths), or None."""
+        rows = self._query("SELECT lengths FROM layouts WHERE id=?", (blob_id,))
+        return rows[0][0] if rows else None
 
     def known(self, ids: list[bytes]) -> set[bytes]:
         """The subset of ``ids`` that the index holds."""
@@ -340,7 +356,7 @@ class Index:
         Where packs hold an object twice (two writers stored it at once), the index names a
         copy stored whole before a page-delta copy, so delta sources stay whole."""
         clear = [(f"DELETE FROM {t}", (), False) for t in
-                 ("objects", "packs", "commits", "commit_parents", "commit_meta")]
+                 ("objects", "packs", "commits", "commit_parents", "commit_meta", "layouts")]
         whole = [(n, s, len(e), [x for x in e if x.compression != DELTA]) for n, s, e in packs]
         deltas = [(n, s, len(e), [x for x in e if x.compression == DELTA]) for n, s, e in packs]
         self._write(clear + _pack_statements(whole, False)

@@ -39,6 +39,7 @@ from __future__ import annotations
 import bisect
 import os
 import threading
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -51,6 +52,7 @@ import blake3
 import numpy as np
 import zstandard
 
+from . import layouts
 from .basemap import BaseMap
 from .chunking import PAGE, Candidates, Splitter
 from .errors import InvalidTree, ObjectMissing, StoreError
@@ -150,6 +152,7 @@ class Writer:
         self._unindexed: list[PackWriter] = []  # sealed packs not indexed yet (seal thread)
         self._written: set[bytes] = set()  # ids this writer put in packs
         self._written_lock = threading.Lock()
+        self._layouts: list[tuple[bytes, bytes]] = []  # large blobs' (layouts.py), to index
         self._buffers: list[bytearray] = []  # recycled read buffers
         self._zero_ids: dict[int, bytes] = {}
         self._key = repo.key  # an encrypted store's: keyed ids, payloads sealed
@@ -280,11 +283,16 @@ class Writer:
             if self._reader is None:
                 self._reader = ObjectReader(self.repo)
             bmap = BaseMap.build(self.repo, self._reader, base.id)
-        ids, total = _StreamIngest(self, src, bmap).run()
+        ingest = _StreamIngest(self, src, bmap)
+        ids, total = ingest.run()
         self.stats.logical_bytes += total
         body = encode_blob(total, ids)
         blob_id = self._id(body)
         self._put_meta(BLOB, blob_id, body)
+        if self._key is None and len(ids) >= layouts.MIN_CHUNKS and len(ingest.ends) == len(ids):
+            row = (blob_id, layouts.encode(np.frombuffer(ingest.ends, dtype=np.int64)))
+            with self._written_lock:
+                self._layouts.append(row)  # indexed with the packs (_index_sealed)
         return Blob(blob_id.hex(), total)
 
     # -- packs -----------------------------------------------------------------------------
@@ -314,6 +322,9 @@ class Writer:
         if packs:
             self.repo.index.add_pack_rows(
                 [(p.name, p.total_size, p.count, p.index_rows) for p in packs])
+        with self._written_lock:
+            rows, self._layouts = self._layouts, []
+        self.repo.index.add_layouts(rows)
         for _ in packs:
             crashpoint("after_index")
 
@@ -580,6 +591,7 @@ class _StreamIngest:
         self.written_end = 0
         self.chunk_start = 0
         self.ids: list[bytes] = []
+        self.ends = array("q")  # where each chunk ends (layouts.py)
         self.total = 0
 
     def run(self) -> tuple[list[bytes], int]:
@@ -651,6 +663,7 @@ class _StreamIngest:
         the workers slice the chunks out of the block)."""
         if not ends:
             return
+        self.ends.extend(ends)
         window = self.window
         start = self.chunk_start
         segments: list[Segment] = []

@@ -7,12 +7,14 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import page_image, random_bytes
 from test_deltas import dirty
 
 from infinijup.engine.store_pages import PARALLEL, StorePages, is_page_file
-from infinijup.store import Repository
+from infinijup.store import Repository, layouts
+from infinijup.store.errors import ObjectMissing
 from infinijup.store.keys import Credentials, KdfParams
 from infinijup.store.packs import DELTA
 
@@ -44,20 +46,31 @@ def _store(tmp_path: Path, encrypted: bool) -> tuple[Repository, dict[str, str],
     return repo, pages, bytes(data)
 
 
-@pytest.mark.parametrize("encrypted", [False, True], ids=["plain", "encrypted"])
-def test_every_range_is_the_files_bytes(tmp_path: Path, encrypted: bool) -> None:
+@pytest.mark.parametrize("encrypted, layout, behind", [
+    (False, False, False), (True, False, False), (False, True, False), (False, True, True)],
+    ids=["plain", "encrypted", "layout, asks locate", "layout, located behind"])
+def test_every_range_is_the_files_bytes(tmp_path: Path, monkeypatch, encrypted: bool,
+                                        layout: bool, behind: bool) -> None:
+    """Without a layout every chunk is located first; with one (store/layouts.py: the blob
+    is recorded as large) the asks locate what they need (the lookups behind the restore
+    left out here), or the lookups behind have located everything first."""
+    if layout:
+        monkeypatch.setattr(layouts, "MIN_CHUNKS", 1)
+        if not behind:
+            monkeypatch.setattr(StorePages, "_look_up_behind", lambda self: None)
     repo, pages, data = _store(tmp_path, encrypted)
     assert list(pages) == ["pages-1.img"]
     served = StorePages(repo, pages)
     try:
         blob = served.files["pages-1.img"]
         assert blob.size == len(data)
-        kinds = {blob.locs[c].compression for c in blob.chunks}
-        assert DELTA in kinds and len(kinds) >= 2, kinds  # deltas and raw or compressed
-        assert len({blob.locs[c].pack for c in blob.chunks}) > 1  # over several packs
+        assert blob.behind == layout
+        if layout:
+            served._behind.join()
+            assert len(blob.locs) == (len(set(blob.chunks)) if behind else 0)
         rng = random.Random(11)
         asks = [(0, PAGE), (len(data) - PAGE, PAGE), (0, len(data)), (PAGE, PARALLEL * 2)]
-        asks += [(blob.starts[i] - PAGE, 2 * PAGE) for i in range(1, len(blob.starts), 7)]
+        asks += [(int(blob.starts[i]) - PAGE, 2 * PAGE) for i in range(1, len(blob.starts), 7)]
         for _ in range(40):  # page-aligned, from one page to past PARALLEL
             first = rng.randrange(len(data) // PAGE)
             count = rng.randint(1, min(len(data) // PAGE - first, 2 * PARALLEL // PAGE))
@@ -67,6 +80,56 @@ def test_every_range_is_the_files_bytes(tmp_path: Path, encrypted: bool) -> None
             assert bytes(got) == data[offset:offset + length], (offset, length)
         with pytest.raises(ValueError, match="past its"):
             served.read("pages-1.img", len(data) - PAGE, 2 * PAGE)
+        kinds = {blob.locs[c].compression for c in blob.chunks}  # all located by now
+        assert DELTA in kinds and len(kinds) >= 2, kinds  # deltas and raw or compressed
+        assert len({blob.locs[c].pack for c in blob.chunks}) > 1  # over several packs
+    finally:
+        served.close()
+        repo.close()
+
+
+def test_a_layout_that_does_not_fit_its_blob_is_not_used(tmp_path: Path, monkeypatch) -> None:
+    """A layout row of other lengths (a damaged index) is passed over: every chunk is
+    located first, and the ranges are still the file's bytes."""
+    monkeypatch.setattr(layouts, "MIN_CHUNKS", 1)
+    repo, pages, data = _store(tmp_path, False)
+    blob_id = bytes.fromhex(pages["pages-1.img"])
+    good = repo.index.layout(blob_id)
+    count = len(repo.get_blob_chunks(pages["pages-1.img"])[1])
+    wrong = layouts.encode(np.arange(1, count + 1) * PAGE)  # a page each: not its total
+    repo.index._write([("UPDATE layouts SET lengths=? WHERE id=?", (wrong, blob_id), False)])
+    assert layouts.starts(good, count, len(data)) is not None
+    served = StorePages(repo, pages)
+    try:
+        assert not served.files["pages-1.img"].behind
+        assert bytes(served.read("pages-1.img", 0, len(data))) == data
+    finally:
+        served.close()
+        repo.close()
+
+
+def test_a_chunk_the_store_lacks_fails_the_asks_for_it_only(tmp_path: Path,
+                                                           monkeypatch) -> None:
+    """With a layout the serving process is ready before it has located every chunk: a
+    chunk missing from the index fails the ask that needs it (the restore then fails as when
+    a pack goes mid-stream), and asks elsewhere are answered."""
+    monkeypatch.setattr(layouts, "MIN_CHUNKS", 1)
+    repo, pages, data = _store(tmp_path, False)
+    _size, chunks = repo.get_blob_chunks(pages["pages-1.img"])
+    k = next(i for i in range(len(chunks) // 2, len(chunks)) if chunks.count(chunks[i]) == 1)
+    gone = chunks[k]  # one chunk, in one place
+    repo.index._write([("DELETE FROM objects WHERE id=?", (gone,), False)])
+    served = StorePages(repo, pages)  # no ObjectMissing here: located behind
+    try:
+        blob = served.files["pages-1.img"]
+        assert blob.behind
+        served._behind.join()  # stopped at the batch that holds it
+        start = int(blob.starts[k])
+        with pytest.raises(ObjectMissing, match=gone.hex()):
+            served.read("pages-1.img", start - start % PAGE, PAGE)
+        assert bytes(served.read("pages-1.img", 0, PAGE)) == data[:PAGE]
+        assert bytes(served.read("pages-1.img", start - PAGE, PAGE)) \
+            == data[start - PAGE:start]  # the chunk before it
     finally:
         served.close()
         repo.close()
