@@ -32,6 +32,7 @@ from gpu_bench import PARTS_LABEL, restore_timed, segment_parts, snapshot_with_n
 
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads
     "tiny": (512, 1376, 4, 8, 8),
+    "3b": (3072, 8192, 28, 24, 8),
     "8b": (4096, 14336, 32, 32, 8),
     "13b": (5120, 13824, 48, 40, 8),
 }
