@@ -16,8 +16,8 @@ server's event loop. The helper checks that the socket's peer is the caller. Two
 once told the restore is over, at once if nobody connected. It keeps open every pack that
 holds the pages, so the remote tier's eviction or a gc meanwhile cannot take them from under
 the stream. Where a page file's blob has a layout (store/layouts.py) the process is ready as
-soon as it has read it: the chunks are located, and their packs opened, behind the restore
-(and an ask locates what it needs first). A chunk the store lacks then fails the restore
+soon as it has read it: the packs are opened behind the restore (one query), and each ask
+locates its chunks (and those just past them). A chunk the store lacks then fails the restore
 while it runs, as a pack removed mid-stream does, rather than before it starts; a pack evicted
 in the second or so before it is opened does too. Without a layout (an older store, an
 encrypted one) every chunk is located first, as before. An encrypted store is unlocked again
@@ -59,7 +59,7 @@ CACHE_CHUNKS = 256  # single chunks kept (about 8 MiB): faults ask page by page 
 RUN = 1 << 20  # stored bytes read at once
 PARALLEL = 1 << 20  # a request this large is decoded on the pool, run by run
 THREADS = 2
-LOOKUP_BATCH = 8192  # chunks located at once behind the restore
+AHEAD = 256  # chunks located past an ask's (the stream asks in file order)
 
 
 def is_page_file(name: str) -> bool:
@@ -118,8 +118,8 @@ def checkout_serving_pages(repo, commit_id: str, target: Path) -> StorePagesProc
 class _Blob:
     """A page file's chunks: where each starts (``starts``, ``lengths``) and where each is
     stored (``locs``). With a layout (store/layouts.py) the starts are known at once and
-    the locations are filled in behind the restore (StorePages) or as asks need them;
-    without one, every chunk is looked up here, as the serving process starts."""
+    the locations are filled in as asks need them; without one, every chunk is looked up
+    here, as the serving process starts."""
 
     def __init__(self, repo, blob_id: str) -> None:  # noqa: ANN001
         self.size, self.chunks = repo.get_blob_chunks(blob_id)
@@ -243,17 +243,22 @@ class StorePages:
             self.reader.pack_fd(pack)
 
     def _look_up(self, blob: _Blob, first: int, last: int) -> None:
-        """Chunks [first, last) of ``blob`` located (those not yet), their packs opened;
-        ObjectMissing for one the store lacks, CorruptObject for one whose length is not
-        the layout's."""
+        """Chunks [first, last) of ``blob`` located (those not yet; and up to AHEAD chunks
+        past them, where the stream asks next), their packs opened; ObjectMissing for one
+        of [first, last) that the store lacks, CorruptObject for one whose length is not the
+        layout's."""
         ids = [c for c in blob.chunks[first:last] if c not in blob.locs]
         if not ids:
             return
+        ahead = min(len(blob.chunks), last + AHEAD)
+        ids += [c for c in blob.chunks[last:ahead] if c not in blob.locs]
         found = self.reader.repo.index.lookup_many(ids)
-        for k in range(first, last):
+        for k in range(first, ahead):
             c = blob.chunks[k]
             loc = found.get(c) or blob.locs.get(c)
             if loc is None:
+                if k >= last:  # ahead: for the ask that needs it to say
+                    continue
                 raise ObjectMissing(f"chunk {c.hex()} is not in the store")
             if loc.raw_length != blob.lengths[k]:
                 raise CorruptObject(f"chunk {c.hex()}: {loc.raw_length} bytes, its blob's "
@@ -262,18 +267,24 @@ class StorePages:
         blob.locs.update(found)
 
     def _look_up_behind(self) -> None:
-        """Every chunk of the files with a layout located, in file order, behind the
-        restore (the asks look up what they need that is not there yet)."""
+        """Behind the restore, the packs that hold the chunks of the files with a layout,
+        opened (the asks locate their chunks themselves). SQLite does this without Python's
+        lock, so the asks do not wait for it: locating every chunk here, a row each, slowed
+        the first faults of a 16 GiB restore on two cores (its first answer 1.8 s after the
+        restore, against 0.9 s)."""
         try:
             for blob in self.files.values():
-                if not blob.behind:
+                if not blob.behind or self._stop.is_set():
                     continue
-                for first in range(0, len(blob.chunks), LOOKUP_BATCH):
-                    if self._stop.is_set():
-                        return
-                    self._look_up(blob, first, min(len(blob.chunks), first + LOOKUP_BATCH))
-        except Exception as exc:  # noqa: BLE001 - an ask for that chunk fails with it too
-            log.warning("looking a restore's pages up in the store: %s", exc)
+                uniq = list(dict.fromkeys(blob.chunks))
+                packs, found = self.reader.repo.index.packs_holding(uniq)
+                for pack in sorted(packs):
+                    self.reader.pack_fd(pack)
+                if found < len(uniq):
+                    log.warning("%d of a restore's chunks are not in the store: the asks for "
+                                "them fail", len(uniq) - found)
+        except Exception as exc:  # noqa: BLE001 - an ask for those chunks fails with it too
+            log.warning("opening a restore's packs: %s", exc)
 
     def serve(self, conn: socket.socket, stream: bool = False) -> None:
         """Answer the helper's asks until it lets go."""

@@ -243,6 +243,30 @@ class Index:
                 f"SELECT id FROM objects WHERE id IN ({marks})", part))
         return found
 
+    def packs_holding(self, ids: list[bytes]) -> tuple[set[str], int]:
+        """The packs that hold any of ``ids`` (distinct ids), and how many of them are
+        indexed: one row per statement, no row per object (store_pages.py opens a restore's
+        packs with it, beside the restore)."""
+        names: set[str] = set()
+        found = 0
+        blob = b"".join(ids)
+        if self._bulk and len(blob) == ID_BYTES * len(ids):
+            for i in range(0, len(ids), _BULK):
+                part = ids[i : i + _BULK]
+                (packs, count), = self._query(_BULK_PACKS, {
+                    "n": len(part), "ids": blob[i * ID_BYTES : (i + len(part)) * ID_BYTES]})
+                names.update(json.loads(packs))
+                found += count
+            return names, found
+        for i in range(0, len(ids), 500):
+            part = ids[i : i + 500]
+            marks = ",".join("?" * len(part))
+            rows = self._query("SELECT p.name FROM objects o JOIN packs p ON p.pid = o.pid "
+                               f"WHERE o.id IN ({marks})", part)
+            names.update(r[0] for r in rows)
+            found += len(rows)
+        return names, found
+
     def lookup(self, oid: bytes) -> Location | None:
         """Where object ``oid`` is stored, or None."""
         rows = self._query(
@@ -381,6 +405,9 @@ _BULK_LOOKUP = (_SEQ + "SELECT json_group_array(json_array(k, p.name, o.offset, 
                 "o.raw_length, o.type, o.compression)) "
                 "FROM seq JOIN objects o ON o.id = substr(:ids, k * 32 + 1, 32) "
                 "JOIN packs p ON p.pid = o.pid")
+_BULK_PACKS = (_SEQ + "SELECT json_group_array(DISTINCT p.name), COUNT(*) "
+               "FROM seq JOIN objects o ON o.id = substr(:ids, k * 32 + 1, 32) "
+               "JOIN packs p ON p.pid = o.pid")
 _BULK_INSERT = ("INSERT OR IGNORE INTO objects SELECT substr(:ids, j.key * 32 + 1, 32), "
                 + ", ".join(f"json_extract(j.value, '$[{i}]')" for i in range(6))
                 + " FROM json_each(:rows) AS j")

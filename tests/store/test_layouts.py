@@ -32,12 +32,13 @@ def _rows(repo: Repository) -> int:
 
 def test_a_large_blob_gets_the_layout_of_its_chunks(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(layouts, "MIN_CHUNKS", 16)
-    repo = Repository.init(tmp_path / "store")
+    repo = Repository.init(tmp_path / "store", pack_size=1 << 20)  # several packs
     try:
         big = bytes(page_image(1024, seed=1)) + random_bytes(1 << 20, 2)
         ids = _commit(repo, tmp_path, big, b"a small file")
         size, chunks = repo.get_blob_chunks(ids["pages-1.img"])
         assert len(chunks) >= 16
+        assert len({loc.pack for loc in repo.index.lookup_many(chunks).values()}) > 1
         known = layouts.starts(repo.index.layout(bytes.fromhex(ids["pages-1.img"])),
                                len(chunks), size)
         assert known is not None
@@ -47,6 +48,10 @@ def test_a_large_blob_gets_the_layout_of_its_chunks(tmp_path: Path, monkeypatch)
         assert starts[0] == 0 and int(starts[-1] + lengths[-1]) == len(big)
         assert repo.index.layout(bytes.fromhex(ids["core-1.img"])) is None  # one chunk
         assert _rows(repo) == 1
+        uniq = list(dict.fromkeys(chunks))  # what opens a restore's packs (store_pages.py)
+        packs = {loc.pack for loc in locs.values()}
+        assert repo.index.packs_holding(uniq) == (packs, len(uniq))
+        assert repo.index.packs_holding(uniq + [b"\x01" * 32]) == (packs, len(uniq))
 
         # gc takes the layout with its blob; rebuild-index starts without any
         repo.delete_thread("t")

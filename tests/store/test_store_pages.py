@@ -52,8 +52,8 @@ def _store(tmp_path: Path, encrypted: bool) -> tuple[Repository, dict[str, str],
 def test_every_range_is_the_files_bytes(tmp_path: Path, monkeypatch, encrypted: bool,
                                         layout: bool, behind: bool) -> None:
     """Without a layout every chunk is located first; with one (store/layouts.py: the blob
-    is recorded as large) the asks locate what they need (the lookups behind the restore
-    left out here), or the lookups behind have located everything first."""
+    is recorded as large) the asks locate what they need, with the packs opened behind the
+    restore first, or (left out here) not yet."""
     if layout:
         monkeypatch.setattr(layouts, "MIN_CHUNKS", 1)
         if not behind:
@@ -67,7 +67,9 @@ def test_every_range_is_the_files_bytes(tmp_path: Path, monkeypatch, encrypted: 
         assert blob.behind == layout
         if layout:
             served._behind.join()
-            assert len(blob.locs) == (len(set(blob.chunks)) if behind else 0)
+            assert blob.locs == {}  # the asks locate their chunks
+            packs = {loc.pack for loc in repo.index.lookup_many(blob.chunks).values()}
+            assert set(served.reader._packs._fds) == (packs if behind else set())
         rng = random.Random(11)
         asks = [(0, PAGE), (len(data) - PAGE, PAGE), (0, len(data)), (PAGE, PARALLEL * 2)]
         asks += [(int(blob.starts[i]) - PAGE, 2 * PAGE) for i in range(1, len(blob.starts), 7)]
@@ -123,7 +125,7 @@ def test_a_chunk_the_store_lacks_fails_the_asks_for_it_only(tmp_path: Path,
     try:
         blob = served.files["pages-1.img"]
         assert blob.behind
-        served._behind.join()  # stopped at the batch that holds it
+        served._behind.join()  # it found one chunk missing, and said so
         start = int(blob.starts[k])
         with pytest.raises(ObjectMissing, match=gone.hex()):
             served.read("pages-1.img", start - start % PAGE, PAGE)
