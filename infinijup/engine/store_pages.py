@@ -47,7 +47,7 @@ from ..store import layouts
 from ..store.checkout import Materializer
 from ..store.errors import CorruptObject, ObjectMissing
 from ..store.faults import crashpoint
-from ..store.index import Location
+from ..store.index import Index, Location
 from ..store.packs import DELTA, decode_payload
 from ..store.reader import ObjectReader
 from ..store.thinned import refuse_thinned
@@ -268,16 +268,24 @@ class StorePages:
 
     def _look_up_behind(self) -> None:
         """Behind the restore, the packs that hold the chunks of the files with a layout,
-        opened (the asks locate their chunks themselves). SQLite does this without Python's
-        lock, so the asks do not wait for it: locating every chunk here, a row each, slowed
+        opened (the asks locate their chunks themselves), through a connection of its own
+        and in statements that answer a row each, so that the asks wait neither for the
+        index's lock nor for Python's. Locating every chunk here instead, a row each, slowed
         the first faults of a 16 GiB restore on two cores (its first answer 1.8 s after the
         restore, against 0.9 s)."""
+        behind = [blob for blob in self.files.values() if blob.behind]
+        if not behind:
+            return
+        repo = self.reader.repo
+        index = None
         try:
-            for blob in self.files.values():
-                if not blob.behind or self._stop.is_set():
-                    continue
+            # a connection of its own: the asks' lookups do not queue behind its statements
+            index = Index(repo.index_path, key=repo.key)
+            for blob in behind:
+                if self._stop.is_set():
+                    return
                 uniq = list(dict.fromkeys(blob.chunks))
-                packs, found = self.reader.repo.index.packs_holding(uniq)
+                packs, found = index.packs_holding(uniq)
                 for pack in sorted(packs):
                     self.reader.pack_fd(pack)
                 if found < len(uniq):
@@ -285,6 +293,9 @@ class StorePages:
                                 "them fail", len(uniq) - found)
         except Exception as exc:  # noqa: BLE001 - an ask for those chunks fails with it too
             log.warning("opening a restore's packs: %s", exc)
+        finally:
+            if index is not None:
+                index.close()
 
     def serve(self, conn: socket.socket, stream: bool = False) -> None:
         """Answer the helper's asks until it lets go."""
