@@ -3,8 +3,8 @@ in the index (issue 32).
 
 A restore that serves a kernel's page files from the store (engine/store_pages.py) must know
 where each chunk of a page file starts before it can answer its first ask, and a blob lists
-only its chunks' ids. Looking up every chunk of a 16 GiB page file (450 K chunks) took 3 s on
-the 2-core VM. So the writer that stores a blob of ``MIN_CHUNKS`` or more records its chunks'
+only its chunks' ids. Looking up every chunk of a 16 GiB page file (448 K chunks) took 2.4-3.0 s
+on the 2-core VM. So the writer that stores a blob of ``MIN_CHUNKS`` or more records its chunks'
 lengths in the index (``layouts``), and a reader gets the starts from one row; the chunks'
 locations can then be looked up as they are needed, or behind.
 
