@@ -3,9 +3,12 @@
 It speaks CRIU's page-server protocol to the daemon (``lazy-pages --page-server
 --ps-socket``) and asks the caller's source for bytes (the wire: page_source.py's docs).
 Every request of the daemon is checked against the pagemaps before anything is asked. What
-arrives is written into the staged page files (their holes), so a range wanted again is read
-from there. Each page is asked of the source once: a page asked and not yet here is waited
-for, not asked again (``_Proxy.claimed``).
+arrives is kept in this process's memory until the daemon has had it, and is then let go: the
+lazy ranges of the staged page files stay holes. (Written into them, a stream of many GiB
+filled the page cache and then the disk: on the 2-core VM a 3 GiB stream from a store ran at
+0.12-0.16 GiB/s, bound by the write-back.) Each page is asked of the source once: a page asked
+and not yet here is waited for, not asked again (``_Proxy.claimed``). A page the daemon asks
+for a second time, after it had it, is asked of the source again.
 
 It runs as a process of its own (``main``, started by page_source.py), so a helper that dies
 or restarts mid-stream does not end the stream.
@@ -68,8 +71,8 @@ class LazyMap:
 
 def main() -> None:
     """The proxy process: ``argv``: the daemon's socket, the caller's two, an error pipe; on
-    stdin (JSON) the lazy ranges and the staged page files' descriptors. Exits when the
-    daemon says it is done or either side ends."""
+    stdin (JSON) the lazy ranges and the page files' sizes. Exits when the daemon says it is
+    done or either side ends."""
     daemon = socket.socket(fileno=int(sys.argv[2]))
     source = socket.socket(fileno=int(sys.argv[3]))
     bulk = socket.socket(fileno=int(sys.argv[4]))
@@ -77,108 +80,150 @@ def main() -> None:
     given = json.loads(sys.stdin.buffer.read())
     maps = {int(pid): LazyMap(pages, [r[0] for r in ranges], [tuple(r) for r in ranges])
             for pid, (pages, ranges) in given["maps"].items()}
-    proxy = _Proxy(daemon, {"fault": source, "bulk": bulk}, maps, given["files"])
-    threads = [threading.Thread(target=t) for t in
-               (proxy.requests, proxy.replies, proxy.background)]
-    threads += [threading.Thread(target=proxy.fetched, args=(line,)) for line in ("fault", "bulk")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    proxy = _Proxy(daemon, {"fault": source, "bulk": bulk}, maps, given["sizes"])
+    proxy.run()
     if proxy.error:
         os.write(err, proxy.error.encode()[:4096])
     os._exit(0)
 
 
 class _Ask:
-    """A range asked of the source; ``done`` once it is in the staged file (or failed)."""
+    """A range of pages asked of the source; ``done`` once its bytes are here (``data``) or
+    it failed. They are kept until the daemon has had every page of it (``left``). A ``once``
+    ask brings a range the daemon asks for again: only that answer uses it."""
 
-    def __init__(self, pages: str, offset: int, length: int, background: bool) -> None:
-        self.pages, self.offset, self.length = pages, offset, length
-        self.background = background
+    def __init__(self, pages: str, first: int, count: int, background: bool,
+                 once: bool = False) -> None:
+        self.pages, self.first, self.count = pages, first, count
+        self.background, self.once = background, once
+        self.left = count
+        self.data: bytearray | None = None
         self.done = threading.Event()
 
-    def overlaps(self, offset: int, length: int) -> bool:
-        return self.offset < offset + length and offset < self.offset + self.length
+
+class _Held:
+    """One page file's asks not yet all sent to the daemon, by first page (they never
+    overlap: each page is claimed by one ask)."""
+
+    def __init__(self) -> None:
+        self.firsts: list[int] = []
+        self.asks: list[_Ask] = []
+
+    def add(self, ask: _Ask) -> None:
+        i = bisect.bisect_left(self.firsts, ask.first)
+        self.firsts.insert(i, ask.first)
+        self.asks.insert(i, ask)
+
+    def remove(self, ask: _Ask) -> None:
+        i = bisect.bisect_left(self.firsts, ask.first)
+        assert self.asks[i] is ask
+        del self.firsts[i], self.asks[i]
+
+    def over(self, lo: int, hi: int) -> list[_Ask]:
+        """The asks holding pages of [lo, hi), in order."""
+        i = max(0, bisect.bisect_right(self.firsts, lo) - 1)
+        out = []
+        while i < len(self.asks) and self.firsts[i] < hi:
+            if self.asks[i].first + self.asks[i].count > lo:
+                out.append(self.asks[i])
+            i += 1
+        return out
 
 
 class _Proxy:
     """Between the page daemon and the caller's source. Besides the daemon's own requests,
-    ``background`` streams every lazy range from the source in asks of 1 MiB, four in flight:
-    the daemon asks one range at a time and waits for it, which over two processes' round
-    trips would set the pace. A fault (a request of a few pages) is asked on a second
-    connection, with its aligned neighbours, so it never waits behind the stream's asks
-    (only behind the daemon's own request before it, whose answer goes back first: the
-    daemon's answers go back in the order it asked, as its page-server protocol requires)."""
+    ``background`` streams every lazy range from the source in asks of 1 MiB, four in flight
+    (and at most ``LEAD`` bytes held ahead of the daemon): the daemon asks one range at a time
+    and waits for it, which over two processes' round trips would set the pace. A fault (a
+    request of a few pages) is asked on a second connection, with its aligned neighbours, so
+    it never waits behind the stream's asks (only behind the daemon's own request before it,
+    whose answer goes back first: the daemon's answers go back in the order it asked, as its
+    page-server protocol requires)."""
 
     # Enough in flight to keep the source busy; the source decodes an ask of 1 MiB or more
     # on its threads (engine/store_pages.py).
     BACKGROUND_ASK = 1 << 20
     IN_FLIGHT = 4
+    # The stream's bytes held here before the daemon asks for them, at most (more is not
+    # asked until the daemon has taken some): this process's memory, not the kernel's.
+    LEAD = 32 << 20
     # A page not here yet is fetched with its neighbours (aligned, within its file): the
     # kernel's next faults are mostly near its last, and are then answered from here.
     AROUND = 256 << 10
 
     def __init__(self, daemon: socket.socket, lines: dict[str, socket.socket],
-                 maps: dict[int, LazyMap], files: dict[str, int]) -> None:
-        self.daemon, self.lines, self.maps, self.files = daemon, lines, maps, files
-        # per page: here (written into the staged file; all but the lazy ranges were filled
-        # in before the restore, page_source.py)
-        self.present = {name: bytearray(b"\1" * (os.fstat(fd).st_size // PAGE))
-                        for name, fd in files.items()}
+                 maps: dict[int, LazyMap], sizes: dict[str, int]) -> None:
+        self.daemon, self.lines, self.maps = daemon, lines, maps
+        # per page: asked of the source, here, or not lazy (never asked); here (its bytes
+        # held); sent to the daemon (and let go)
+        self.claimed = {name: bytearray(b"\1" * (size // PAGE)) for name, size in sizes.items()}
         for m in maps.values():
             for _vaddr, count, offset in m.ranges:
-                self.present[m.pages][offset // PAGE:offset // PAGE + count] = bytes(count)
-        # per page: asked of the source or here; and the asks not answered yet
-        self.claimed = {name: bytearray(bits) for name, bits in self.present.items()}
-        self.pending: dict[str, list[_Ask]] = {name: [] for name in files}
+                self.claimed[m.pages][offset // PAGE:offset // PAGE + count] = bytes(count)
+        self.present = {name: bytearray(len(bits)) for name, bits in self.claimed.items()}
+        self.gone = {name: bytearray(len(bits)) for name, bits in self.claimed.items()}
+        self.held = {name: _Held() for name in sizes}
+        self.held_bytes = 0
+        # buffers of the stream's size let go, filled again (not allocated and zeroed anew);
+        # at most as many as the lead holds
+        self.spare: list[bytearray] = []
         # each line's asks, in the order sent
         self.asked: dict[str, queue.Queue[_Ask | None]] = {k: queue.Queue() for k in lines}
         self.answers: queue.Queue[tuple | None] = queue.Queue()  # the daemon's, in order
-        self.lock = threading.Lock()  # the bitmaps, the pending asks, sending an ask
+        self.lock = threading.Lock()  # the bitmaps, the held asks, sending an ask
+        self.room = threading.Condition(self.lock)  # held_bytes went down, or the end
         self.slots = threading.Semaphore(self.IN_FLIGHT)
         self.ended = threading.Event()
         self.error: str | None = None
 
-    def _send(self, pages: str, offset: int, length: int, line: str,
-              background: bool = False) -> _Ask:
-        """Ask for [offset, +length), all of it unclaimed (the lock held)."""
+    def run(self) -> None:
+        """Serve until the daemon is done or either side ends (``error``: why, if early)."""
+        threads = [threading.Thread(target=t) for t in
+                   (self.requests, self.replies, self.background)]
+        threads += [threading.Thread(target=self.fetched, args=(line,)) for line in self.lines]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    def _send(self, pages: str, first: int, count: int, line: str,
+              background: bool = False, once: bool = False) -> _Ask:
+        """Ask for pages [first, +count), all of them unclaimed unless ``once`` (the lock
+        held)."""
         if self.ended.is_set():
             raise OSError("the stream ended")
-        ask = _Ask(pages, offset, length, background)
+        ask = _Ask(pages, first, count, background, once)
         try:
-            send_ask(self.lines[line], pages, offset, length)
+            send_ask(self.lines[line], pages, first * PAGE, count * PAGE)
         except OSError as exc:
             raise SourceGone(f"the source stopped answering ({exc.strerror or exc})") from None
         self.asked[line].put(ask)
-        first = offset // PAGE
-        self.claimed[pages][first:first + length // PAGE] = b"\1" * (length // PAGE)
-        self.pending[pages].append(ask)
+        if not once:
+            self.claimed[pages][first:first + count] = b"\1" * count
+            self.held[pages].add(ask)
+            self.held_bytes += count * PAGE
         return ask
 
     def _cover(self, pages: str, want: tuple[int, int], fetch: tuple[int, int],
                line: str) -> list[_Ask]:
-        """The asks that bring ``want`` (offset, length) here: those already pending over it,
-        and new ones, on ``line``, for what of ``fetch`` (which holds ``want``) nobody asked."""
+        """The asks whose bytes make up pages ``want`` [lo, hi): those held over it, and new
+        ones, on ``line``, for what of ``fetch`` (which holds ``want``) nobody asked. Pages
+        sent to the daemon before: one ask of ``want``, for this answer alone."""
+        lo, hi = want
         claimed = self.claimed[pages]
         with self.lock:
-            waits = [a for a in self.pending[pages] if a.overlaps(*want)]
-            at, end = fetch[0] // PAGE, (fetch[0] + fetch[1]) // PAGE
+            if self.gone[pages].find(1, lo, hi) >= 0:
+                return [self._send(pages, lo, hi - lo, "fault", once=True)]
+            at, end = fetch
             while (at := claimed.find(0, at, end)) >= 0:
                 stop = claimed.find(1, at, end)
                 stop = end if stop < 0 else stop
-                ask = self._send(pages, at * PAGE, (stop - at) * PAGE, line)
-                if ask.overlaps(*want):
-                    waits.append(ask)
+                self._send(pages, at, stop - at, line)
                 at = stop
-        return waits
-
-    def _have(self, pages: str, offset: int, length: int) -> bool:
-        bitmap = self.present[pages]
-        return bitmap.find(0, offset // PAGE, (offset + length) // PAGE) < 0
+            return self.held[pages].over(lo, hi)
 
     def requests(self) -> None:
-        """The daemon's requests: checked, answered from the staged file or asked for."""
+        """The daemon's requests: checked, answered from what is held or asked for."""
         try:
             while True:
                 head = _recv_all(self.daemon, IOV.size)
@@ -193,19 +238,16 @@ class _Proxy:
                 m = self.maps[dst]
                 offset, count = m.find(vaddr, nr)
                 reply = IOV.pack(PS_IOV_ADD_F | (PE_PRESENT << PS_CMD_BITS), count, vaddr, dst)
-                length = count * PAGE
-                waits: list[_Ask] = []
-                if self._have(m.pages, offset, length):
-                    pass
-                elif length >= self.AROUND:  # the daemon's own stream: with ours
-                    waits = self._cover(m.pages, (offset, length), (offset, length), "bulk")
+                lo = offset // PAGE
+                want = (lo, lo + count)
+                if count * PAGE >= self.AROUND:  # the daemon's own stream: with ours
+                    waits = self._cover(m.pages, want, want, "bulk")
                 else:  # a fault: on its own line, with its neighbours
-                    size = len(self.present[m.pages]) * PAGE
-                    start = offset - offset % self.AROUND
-                    stop = min(size, -(-(offset + length) // self.AROUND) * self.AROUND)
-                    waits = self._cover(m.pages, (offset, length), (start, stop - start),
-                                        "fault")
-                self.answers.put((reply, m.pages, offset, length, waits))
+                    around = self.AROUND // PAGE
+                    fetch = (lo - lo % around,
+                             min(len(self.claimed[m.pages]), -(-(lo + count) // around) * around))
+                    waits = self._cover(m.pages, want, fetch, "fault")
+                self.answers.put((reply, m.pages, want, waits))
         except SourceGone as exc:
             self._fail(str(exc))
         except Exception as exc:  # noqa: BLE001 - any failure ends the stream, with its reason
@@ -214,21 +256,21 @@ class _Proxy:
             self.answers.put(None)
 
     def fetched(self, line: str) -> None:
-        """A line's answers, in the order asked, written into the staged files."""
-        ask, buf = None, bytearray()
+        """A line's answers, in the order asked, held until the daemon has them."""
+        ask = None
         try:
             while (ask := self.asked[line].get()) is not None:
-                if len(buf) < ask.length:
-                    buf = bytearray(ask.length)
-                view, at = read_exact(self.lines[line], memoryview(buf)[:ask.length]), ask.offset
-                while view:
-                    n = os.pwrite(self.files[ask.pages], view, at)
-                    view, at = view[n:], at + n
-                first = ask.offset // PAGE
+                size = ask.count * PAGE
                 with self.lock:
-                    self.present[ask.pages][first:first + ask.length // PAGE] = \
-                        b"\1" * (ask.length // PAGE)
-                    self.pending[ask.pages].remove(ask)
+                    data = self.spare.pop() if size == self.BACKGROUND_ASK and self.spare \
+                        else None
+                data = bytearray(size) if data is None else data
+                read_exact(self.lines[line], data)
+                with self.lock:
+                    ask.data = data
+                    if not ask.once:
+                        self.present[ask.pages][ask.first:ask.first + ask.count] = \
+                            b"\1" * ask.count
                 ask.done.set()
                 if ask.background:
                     self.slots.release()
@@ -247,24 +289,53 @@ class _Proxy:
                 if item[0] == "close":
                     self.daemon.sendall(struct.pack("<i", 0))
                     return
-                reply, pages, offset, length, waits = item
-                for ask in waits:
-                    ask.done.wait()
-                if self.error is not None:
-                    return
+                reply, pages, (lo, hi), waits = item
+                while True:  # only this thread lets pages go, so what it finds here stays
+                    for ask in waits:
+                        ask.done.wait()
+                    if self.error is not None or self.ended.is_set():
+                        return
+                    if waits and waits[0].once:
+                        parts = [(waits[0], lo, hi)]
+                        break
+                    with self.lock:
+                        if self.gone[pages].find(1, lo, hi) < 0:
+                            parts = [(a, max(lo, a.first), min(hi, a.first + a.count))
+                                     for a in self.held[pages].over(lo, hi)]
+                            break
+                    # an earlier answer had some of it (the daemon asked twice): ask again
+                    waits = self._cover(pages, (lo, hi), (lo, hi), "fault")
                 self.daemon.sendall(reply)
-                while length:  # from the page cache, not through this process's memory
-                    sent = os.sendfile(self.daemon.fileno(), self.files[pages], offset, length)
-                    if sent == 0:
-                        raise OSError("short read of a staged page file")
-                    offset, length = offset + sent, length - sent
+                for ask, a, b in parts:
+                    assert ask.data is not None
+                    self.daemon.sendall(memoryview(ask.data)[(a - ask.first) * PAGE:
+                                                             (b - ask.first) * PAGE])
+                self._sent(pages, lo, hi)
         except OSError as exc:
             self._fail(f"serving the page daemon: {exc.strerror or exc}")
         finally:
             self._end()
 
+    def _sent(self, pages: str, lo: int, hi: int) -> None:
+        """Pages [lo, hi) the daemon has: marked so, and an ask it has had all of let go."""
+        gone = self.gone[pages]
+        with self.lock:
+            for ask in self.held[pages].over(lo, hi):
+                a, b = max(lo, ask.first), min(hi, ask.first + ask.count)
+                ask.left -= gone.count(0, a, b)
+                self.present[pages][a:b] = bytes(b - a)
+                gone[a:b] = b"\1" * (b - a)
+                if ask.left == 0:
+                    self.held[pages].remove(ask)
+                    if ask.data is not None and len(ask.data) == self.BACKGROUND_ASK:
+                        self.spare.append(ask.data)  # sent, so free to be filled again
+                    ask.data = None
+                    self.held_bytes -= ask.count * PAGE
+                    self.room.notify_all()
+
     def background(self) -> None:
         """Every lazy range, in large asks, several in flight, skipping what is claimed."""
+        step = self.BACKGROUND_ASK // PAGE
         try:
             for m in sorted(self.maps.values(), key=lambda m: m.pages):
                 claimed = self.claimed[m.pages]
@@ -273,14 +344,15 @@ class _Proxy:
                     while not self.ended.is_set():
                         self.slots.acquire()
                         with self.lock:
+                            while self.held_bytes >= self.LEAD and not self.ended.is_set():
+                                self.room.wait()
                             at = claimed.find(0, at, end)
                             if at < 0:
                                 self.slots.release()
                                 break
-                            stop = claimed.find(1, at, min(end, at + self.BACKGROUND_ASK // PAGE))
-                            stop = min(end, at + self.BACKGROUND_ASK // PAGE) if stop < 0 else stop
-                            self._send(m.pages, at * PAGE, (stop - at) * PAGE, "bulk",
-                                       background=True)
+                            stop = claimed.find(1, at, min(end, at + step))
+                            stop = min(end, at + step) if stop < 0 else stop
+                            self._send(m.pages, at, stop - at, "bulk", background=True)
                         at = stop
         except OSError:
             pass  # the stream ended; whoever ended it says why
@@ -294,6 +366,7 @@ class _Proxy:
         """Stop everything: the sockets shut, every wait released."""
         with self.lock:
             self.ended.set()
+            self.room.notify_all()
             for asked in self.asked.values():
                 asked.put(None)
         self.answers.put(None)

@@ -79,10 +79,10 @@ class PageSource:
             self.sock.close()
             raise
         self.maps: dict[int, LazyMap] = {}
+        self.sizes: dict[str, int] = {}  # each lazily served page file's length
         self.proxy: subprocess.Popen | None = None
         self._err: int | None = None
         self._why: str | None = None
-        self._staging_fd = -1
 
     # -- the staged page files
 
@@ -90,7 +90,6 @@ class PageSource:
         """Make each page file the pagemaps name (sparse, full size) in the staging dir and
         fill what the restore reads itself (``everything``: all of it); bytes made."""
         total = 0
-        self._staging_fd = staging_fd
         names = set(image_names(staging_fd))
         for pagemap in sorted(n for n in names if n.startswith("pagemap") and n.endswith(".img")):
             pages_id, entries = criu.pagemap_entries(staging_fd, pagemap)
@@ -130,6 +129,7 @@ class PageSource:
                 os.close(fd)
             if m.ranges:
                 self.maps[int(task)] = m
+                self.sizes[pages] = offset
             names.add(pages)
             total += offset
         return total
@@ -150,21 +150,19 @@ class PageSource:
         err_r, err_w = os.pipe()
         here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         maps = {str(pid): [m.pages, m.ranges] for pid, m in self.maps.items()}
-        files = {m.pages: os.open(m.pages, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC,
-                                  dir_fd=self._staging_fd) for m in self.maps.values()}
+        sizes = {m.pages: self.sizes[m.pages] for m in self.maps.values()}
         try:
             self.proxy = subprocess.Popen(
                 [sys.executable, "-I", "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
                  "from infinijup_helper.page_proxy import main; main()", here,
                  str(mine.fileno()), str(self.sock.fileno()), str(self.bulk.fileno()),
                  str(err_w)],
-                pass_fds=(mine.fileno(), self.sock.fileno(), self.bulk.fileno(), err_w,
-                          *files.values()),
+                pass_fds=(mine.fileno(), self.sock.fileno(), self.bulk.fileno(), err_w),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/",
                 env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, start_new_session=True)
             assert self.proxy.stdin is not None
-            self.proxy.stdin.write(json.dumps({"maps": maps, "files": files}).encode())
+            self.proxy.stdin.write(json.dumps({"maps": maps, "sizes": sizes}).encode())
             self.proxy.stdin.close()
         except BaseException:
             os.close(err_r)
@@ -172,8 +170,6 @@ class PageSource:
             raise
         finally:
             os.close(err_w)
-            for fd in files.values():
-                os.close(fd)
             mine.close()
             self.sock.close()  # the proxy's now
             self.bulk.close()
