@@ -154,13 +154,12 @@ class _Proxy:
     def __init__(self, daemon: socket.socket, lines: dict[str, socket.socket],
                  maps: dict[int, LazyMap], sizes: dict[str, int]) -> None:
         self.daemon, self.lines, self.maps = daemon, lines, maps
-        # per page: asked of the source, here, or not lazy (never asked); here (its bytes
-        # held); sent to the daemon (and let go)
+        # per page: asked of the source, here, or not lazy (never asked); and sent to the
+        # daemon. The asks whose bytes are here or coming, until the daemon has had them all
         self.claimed = {name: bytearray(b"\1" * (size // PAGE)) for name, size in sizes.items()}
         for m in maps.values():
             for _vaddr, count, offset in m.ranges:
                 self.claimed[m.pages][offset // PAGE:offset // PAGE + count] = bytes(count)
-        self.present = {name: bytearray(len(bits)) for name, bits in self.claimed.items()}
         self.gone = {name: bytearray(len(bits)) for name, bits in self.claimed.items()}
         self.held = {name: _Held() for name in sizes}
         self.held_bytes = 0
@@ -268,9 +267,6 @@ class _Proxy:
                 read_exact(self.lines[line], data)
                 with self.lock:
                     ask.data = data
-                    if not ask.once:
-                        self.present[ask.pages][ask.first:ask.first + ask.count] = \
-                            b"\1" * ask.count
                 ask.done.set()
                 if ask.background:
                     self.slots.release()
@@ -323,7 +319,6 @@ class _Proxy:
             for ask in self.held[pages].over(lo, hi):
                 a, b = max(lo, ask.first), min(hi, ask.first + ask.count)
                 ask.left -= gone.count(0, a, b)
-                self.present[pages][a:b] = bytes(b - a)
                 gone[a:b] = b"\1" * (b - a)
                 if ask.left == 0:
                     self.held[pages].remove(ask)
