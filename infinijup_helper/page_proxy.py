@@ -154,8 +154,9 @@ class _Proxy:
     def __init__(self, daemon: socket.socket, lines: dict[str, socket.socket],
                  maps: dict[int, LazyMap], sizes: dict[str, int]) -> None:
         self.daemon, self.lines, self.maps = daemon, lines, maps
-        # per page: asked of the source, here, or not lazy (never asked); and sent to the
-        # daemon. The asks whose bytes are here or coming, until the daemon has had them all
+        # per page: claimed (asked of the source, or not lazy: never asked) and gone (sent
+        # to the daemon); per file, the asks whose bytes are here or coming, until the
+        # daemon has had all of them
         self.claimed = {name: bytearray(b"\1" * (size // PAGE)) for name, size in sizes.items()}
         for m in maps.values():
             for _vaddr, count, offset in m.ranges:
