@@ -93,8 +93,8 @@ class HotCopy:
     while the store takes them in: both read them, the copy writes the disk while the store
     hashes, and the commit is not followed by a copy of its own (a 29 GB GPU kernel's
     snapshot after a small change was durable 43 s after the press on an H200 host, 22-28 s
-    of it storing, most of the rest this copy; one on 7.9 GB, 11.4-11.9 s before and 9.0-9.1 s
-    with the copy beside). The thread runs ``nice`` levels
+    of it storing; the copy after it was not timed alone; one on 7.9 GB, 11.4-11.9 s before and
+    9.0-9.1 s with the copy beside). The thread runs ``nice`` levels
     below the caller, as the ingest of an automatic snapshot does (niced.py). A cache: a copy
     that fails leaves the snapshot out of the tier, nothing more."""
 
