@@ -443,6 +443,10 @@ class SnapshotEngine:
             # leaving a restored tree that nobody was told about (see orphans.py).
             failed.tree_may_exist = (getattr(exc, "reason", None) == "helper_disconnected"
                                      and "restore" in started)
+            # A kernel set aside (``park``) whose connections the helper shut down: the
+            # server reconnects to it once its socket files are back (restore_flow.py).
+            failed.parked = (park and "restore" in started
+                             and getattr(exc, "reason", None) != "cannot_park")
             raise failed from exc
         finally:
             if source is not None:

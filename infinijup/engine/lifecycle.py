@@ -4,8 +4,11 @@
        │                                                   once dumped, while the store works)
        ├──► restoring ──► running                         (a restore; a failed one of a
        │         │                                         hibernated kernel leaves it so)
-       │         └──► storing ──► running                 (an undo: the kernel it left is
-       │                                                   dumped and stored behind it)
+       │         ├──► storing ──► running                 (an undo: the kernel it left is
+       │         │                                         dumped and stored behind it)
+       │         └──► settling ──► running                (a restore in place from the store:
+       │                                                   the kernel it replaced is kept aside
+       │                                                   until the memory is all back)
        ├──► releasing ──► released ──► waking ──► running (its GPU memory in host memory)
        └──► hibernating ──► hibernated ──► waking ──► running  (snapshotted, no process)
 
@@ -16,7 +19,8 @@ and ``/infinijup/status`` reports ``state`` and the operation under way.
 
 Operations (snapshot, restore) also carry a record for progress events (``Operation``); an
 operation asked for while a snapshot stores its images waits for the store, then goes on; any
-other move from a state that does not allow it is refused with 409 and the state.
+other move from a state that does not allow it is refused with 409 and the state. Settling is
+waited for in the same way.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ RUNNING = "running"
 SNAPSHOTTING = "snapshotting"
 STORING = "storing"  # the kernel runs again; its snapshot's images are being stored
 RESTORING = "restoring"
+SETTLING = "settling"  # the kernel runs; the kernel it replaced is kept until its memory is back
 RELEASING = "releasing"
 RELEASED = "released"
 HIBERNATING = "hibernating"
@@ -41,7 +46,8 @@ MOVES: dict[str, frozenset[str]] = {
     RUNNING: frozenset({SNAPSHOTTING, RESTORING, RELEASING, HIBERNATING}),
     SNAPSHOTTING: frozenset({STORING, RUNNING}),
     STORING: frozenset({RUNNING}),
-    RESTORING: frozenset({RUNNING, RELEASED, HIBERNATED, STORING}),
+    SETTLING: frozenset({RUNNING}),
+    RESTORING: frozenset({RUNNING, RELEASED, HIBERNATED, STORING, SETTLING}),
     RELEASING: frozenset({RELEASED, RUNNING}),
     RELEASED: frozenset({WAKING, RESTORING}),
     HIBERNATING: frozenset({HIBERNATED, RUNNING}),
@@ -53,7 +59,8 @@ MOVES: dict[str, frozenset[str]] = {
 RESTING = frozenset({RELEASING, RELEASED, HIBERNATING, HIBERNATED, WAKING})
 # What a notebook sees (GET /infinijup/status ``state``, the Lab's rest states): a kernel that
 # snapshots, stores or is restored is running; one on its way into release is released.
-SHOWN = {SNAPSHOTTING: RUNNING, STORING: RUNNING, RESTORING: RUNNING, RELEASING: RELEASED}
+SHOWN = {SNAPSHOTTING: RUNNING, STORING: RUNNING, SETTLING: RUNNING, RESTORING: RUNNING,
+         RELEASING: RELEASED}
 
 
 @dataclass
@@ -142,8 +149,9 @@ class Lifecycle:
 
     def no_process_on_purpose(self, kernel_id: str) -> bool:
         """Its process is gone or replaced on purpose: jupyter_client's restarter must not
-        start a fresh kernel beside it."""
-        return self.state(kernel_id) in (HIBERNATED, RESTORING, WAKING)
+        start a fresh kernel beside it. (Settling: a restored tree that ends before its memory
+        is back gives way to the kernel it replaced, serverext/settle.py.)"""
+        return self.state(kernel_id) in (HIBERNATED, RESTORING, WAKING, SETTLING)
 
     def operation(self, kernel_id: str) -> Operation | None:
         k = self._kernels.get(kernel_id)
@@ -178,9 +186,9 @@ class Lifecycle:
         self._set(kernel_id, k, HIBERNATED)  # a move MOVES does not allow any other way
 
     async def begin(self, kernel_id: str, state: str) -> Turn:
-        """Start a move. A kernel whose snapshot is being stored finishes that first; a kernel
-        in the middle of another operation refuses (409)."""
-        await self.stored(kernel_id)
+        """Start a move. A kernel whose snapshot is being stored (or that is settling) finishes
+        that first; a kernel in the middle of another operation refuses (409)."""
+        await self.settled(kernel_id)
         k = self._k(kernel_id)
         if state not in MOVES[k.state]:
             if k.operation is not None:
@@ -192,7 +200,15 @@ class Lifecycle:
 
     async def stored(self, kernel_id: str) -> None:
         """Wait while a snapshot the kernel has gone on from is being stored."""
-        while self.state(kernel_id) == STORING:
+        await self._while(kernel_id, STORING)
+
+    async def settled(self, kernel_id: str) -> None:
+        """Wait while the kernel finishes what it has gone on from: a snapshot being stored, or
+        the kernel a restore replaced, kept until the restored memory is back."""
+        await self._while(kernel_id, STORING, SETTLING)
+
+    async def _while(self, kernel_id: str, *states: str) -> None:
+        while self.state(kernel_id) in states:
             await self._kernels[kernel_id].moved.wait()
 
     # --- the operation record ------------------------------------------------------------------

@@ -61,6 +61,7 @@ class SnapshotManager(ManagerSettings):
         self._repo: Repository | None = None
         self._repo_lock = threading.Lock()
         self._tasks: set[asyncio.Task] = set()
+        self._helper_features: dict | None = None  # what the helper says it can do (asked once)
         self._busy_waits: dict[str, set[asyncio.Event]] = {}  # kernel id -> waits to cancel
         self.lifecycle = Lifecycle(on_move=self._moved)
         self.events = Events(serverapp, self.log)
@@ -219,6 +220,16 @@ class SnapshotManager(ManagerSettings):
                               lazy_restore=self.lazy_restore,
                               pages_from_store_min_bytes=self.pages_from_store_min_bytes,
                               ingest_nice=self.autosnapshot_ingest_nice)
+
+    def helper_has(self, feature: str) -> bool:
+        """Whether the helper does ``feature`` (its hello's features, asked once per server);
+        False while it cannot be asked."""
+        if self._helper_features is None:
+            try:
+                self._helper_features = dict(self.engine().helper.hello().features)
+            except InfinijupError:
+                return False
+        return bool(self._helper_features.get(feature))
 
     def kernel(self, kernel_id: str):
         if kernel_id not in self.kernel_manager.list_kernel_ids():

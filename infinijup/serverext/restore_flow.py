@@ -6,6 +6,10 @@ Each step leaves an undo, so that a restore that fails leaves the kernel as it w
 kernel if the helper had not ended it yet; a fresh one (every snapshot intact) if it had; a
 hibernated kernel stays hibernated, to wake later. If the helper died while CRIU restored, the
 tree CRIU went on to restore is adopted instead (``find_orphan``).
+
+A lazy restore in place whose page files would stream from the store keeps the kernel it
+replaces aside until the restored memory is back (aside.py); where that cannot be, the page
+files are checked out first.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from dataclasses import dataclass
 from .. import config, endpoints
 from ..engine.heads import head_after_restore
 from ..engine.kernel_channel import run_agent, wait_answering, watch_activity_anew
-from ..engine.lifecycle import RESTORING, RUNNING, Operation, Turn
+from ..engine.lifecycle import RESTORING, RUNNING, SETTLING, Operation, Turn
 from ..engine.naming import (
     DEFAULT_THREAD,
     check_thread_name,
@@ -39,6 +43,7 @@ from ..engine.steps import Steps
 from ..errors import InfinijupError, RestoreFailed
 from ..gpu import arena as gpu_arena
 from ..gpu.restore_rules import plan_gpu_restore
+from . import aside
 from .history import check_new_thread, resolve
 from .kernel_status import pages
 
@@ -94,10 +99,19 @@ async def restore(m, kernel_id: str, ref: str, *, branch: str | None = None,  # 
     m.events.end(op, "queued")
     run = RestoreRun(m, km, op, turn, planned, key, branch, fresh)
     run.park = park
+    run.may_keep = within is None and not park  # the replaced kernel, until the memory is back
     try:
         if wait_idle:
             await m.wait_idle(km)
-        out = await run.run()
+        try:
+            out = await run.run()
+        except RestoreFailed as exc:
+            if not (run.keeps_replaced and exc.reason == "cannot_park"):
+                raise
+            m.log.info("infinijup: restore of %s checks the pages out first: %s", kernel_id,
+                       exc.message)
+            run = RestoreRun(m, km, op, turn, planned, key, branch, fresh)
+            out = await run.run()
     except InfinijupError as exc:
         m.events.failed(op, exc)
         raise
@@ -105,10 +119,16 @@ async def restore(m, kernel_id: str, ref: str, *, branch: str | None = None,  # 
         km.session.key = run.session_key  # the session's key, whatever happened
         m.lifecycle.end_operation(op)
         if within is None and turn.state == RESTORING:
-            if run.finished:
+            if run.finished and run.keeps_replaced and run.set_aside is not None:
+                turn.to(SETTLING)
+                m.spawn(aside.keep_until_resident(m, run, run.set_aside, turn))
+            elif run.finished:
                 turn.to(RUNNING)
             else:
                 turn.back()  # a hibernated (or released) kernel stays so
+    if run.keeps_replaced:
+        kept = out.pop("set_aside", None)
+        out["kept_until_resident"] = kept.pid if kept is not None else None
     return out
 
 
@@ -122,27 +142,49 @@ class RestoreRun:
         self.session_key = km.session.key
         self.finished = False
         self.park = False  # see restore()
+        self.may_keep = False  # the kernel replaced may be kept until the memory is back
+        self.keeps_replaced = False  # it is: the page files stream from the store (aside.py)
         self.set_aside: SetAside | None = None
+        self.head_before = m.heads.get(km.kernel_id)
+        self.connected: dict[str, set[int]] | None = None  # the server's, before the restore
+        self.reconnect_to_kept = False  # the kernel set aside is this kernel again
         self.t0 = time.perf_counter()
 
     async def run(self) -> dict:
+        try:
+            return await self.steps()
+        except BaseException:
+            if self.reconnect_to_kept and self.connected is not None:
+                # the kernel set aside is this kernel again: the server's connections to it
+                # are back before the failure is answered (a request sent meanwhile would be
+                # lost with a connection to the restored tree)
+                await wait_reconnected(self.connected, self.m.answer_timeout)
+            raise
+
+    async def steps(self) -> dict:
         m, km, prov, p, op = self.m, self.km, self.prov, self.p, self.op
         kernel_id = km.kernel_id
         async with Steps(m.log) as step:
             m.events.emit(op, "store", 10)
             engine = m.engine()
             # The page files may stay in the store, read as the kernel runs (store_pages.py),
-            # only where no kernel of the user's is replaced: a damaged chunk found then ends
-            # the restored kernel, where a checkout finds it before anything is touched.
-            source: dict = {"pages_may_stream": self.fresh or prov.root_pid is None}
+            # where no kernel of the user's is replaced (a damaged chunk found then ends the
+            # restored kernel; a checkout finds it before anything is touched), or ...
+            replaces = not self.fresh and prov.root_pid is not None
+            source: dict = {"pages_may_stream": not replaces}
+            if replaces and self.may_keep:  # ... beside the kernel it replaces (aside.py)
+                source["pages_may_stream"] = await asyncio.to_thread(
+                    aside.may_keep_replaced, m, kernel_id, p.commit_id)
             images = await step("images", m.remote_tier.images(op, engine, p.commit_id, source))
+            if replaces and source.get("pages_from_store"):
+                self.park = self.keeps_replaced = True
             segments = await step("gpu_segments", self.gpu_segments(images),
                                   undo=lambda: self.gpu_segments_done(segments))
             info = km.get_connection_info()
             await step("endpoints", asyncio.to_thread(endpoints.check, info["ip"]))
             paths = endpoint_paths(info)
-            connected = connections_to([paths[k] for k in ("shell_port", "iopub_port",
-                                                           "stdin_port", "control_port")])
+            connected = self.connected = connections_to(
+                [paths[k] for k in ("shell_port", "iopub_port", "stdin_port", "control_port")])
             if p.retarget.saved_key is not None:  # it signs with its own key until adopted
                 km.session.key = p.retarget.saved_key
             if self.park:  # its listeners' files go aside: the restored kernel binds anew
@@ -191,6 +233,7 @@ class RestoreRun:
         self.set_aside = None
         await self.prov.kill()
         self.prov.attach(aside.process)
+        self.reconnect_to_kept = True
 
     async def gpu_segments(self, images) -> str | None:  # noqa: ANN001
         """The snapshot's GPU segments, set aside (engine.restore removes the images); the
@@ -217,6 +260,7 @@ class RestoreRun:
                 self.park)
             return result.pid, result.phases
         except RestoreFailed as exc:
+            self.reconnect_to_kept = getattr(exc, "parked", False)
             pid = await self.find_orphan(exc)
             if pid is None:
                 km.session.key = self.session_key

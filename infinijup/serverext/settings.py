@@ -62,6 +62,17 @@ class ManagerSettings(LoggingConfigurable):
                                       "kernels in PID namespaces, with the memory free."
                            ).tag(config=True)
 
+    restore_keeps_replaced = Bool(True, help="A lazy restore in place whose images are not in "
+                                             "the hot tier keeps the kernel it replaces aside, "
+                                             "alive, until the restored memory is all back, so "
+                                             "that its page files may stream from the store "
+                                             "(serverext/aside.py): a failed stream gives the "
+                                             "kernel back as it was. The kernel's memory is held "
+                                             "twice meanwhile. Only for CPU kernels in PID "
+                                             "namespaces, with the memory free; off (or "
+                                             "elsewhere): the page files are checked out first."
+                                  ).tag(config=True)
+
     undo_stores_behind = Bool(True, help="Where a kernel is not set aside (undo_sets_aside), "
                                          "an undo (or redo) of a kernel changed since its last "
                                          "snapshot dumps it, then restores while its images "

@@ -49,14 +49,10 @@ from ..engine.lifecycle import HIBERNATED, RESTORING, RUNNING, STORING, Operatio
 from ..engine.set_aside import SetAside
 from ..engine.steps import Steps
 from ..errors import Conflict, InfinijupError, RestoreFailed
-from ..gpu.room_plan import host_memory
-from ..process import tree_rss
 from ..store.faults import holdpoint
 from ..store.thinned import thinned
-from . import kernel_records, snapshot_flow
+from . import aside, kernel_records, snapshot_flow
 from .kernel_status import pages
-
-SET_ASIDE_SPARE = 256 << 20  # free memory a kernel set aside must leave, past its own size
 
 
 class UndoRedo:
@@ -66,7 +62,6 @@ class UndoRedo:
         self.records = records or store.with_name(store.name + "-redo")
         self.redo_lists: dict[str, list[str]] = {}  # kernel id -> commits to go back to
         self.paths: dict[str, str] = {}  # kernel id -> its notebook (as its record says)
-        self._pid_namespace: bool | None = None  # the helper gives kernels PID namespaces
 
     async def undo(self, kernel_id: str, from_kernel: bool = False) -> dict:
         return await self._run(kernel_id, "undo", from_kernel)
@@ -131,7 +126,7 @@ class UndoRedo:
         if what == "undo" and m.heads.get(kernel_id).commit is None:
             raise Conflict("nothing to undo: this kernel stands on no snapshot (take one, or "
                            "turn automatic snapshots on)", reason="nothing_to_undo")
-        await m.lifecycle.stored(kernel_id)  # a state an undo left, still being stored
+        await m.lifecycle.settled(kernel_id)  # a state an undo left, still being stored
         if what == "redo" and not await self._load(kernel_id):
             raise Conflict("nothing to redo", reason="nothing_to_redo")
         if not from_kernel:
@@ -221,33 +216,15 @@ class UndoRedo:
     # --- undo beside the kernel it leaves ------------------------------------------------------
     def may_set_aside(self, kernel_id: str) -> bool:
         """Whether the kernel may be set aside while the undo restores (in a worker thread):
-        the setting, the helper's PID namespaces, no GPU state at its head or now, memory free for
-        a second copy of it (its size at its head or now, whichever is more). The helper checks
-        again what it alone can see."""
+        the setting, and aside.py's check, for a second copy of the kernel (its size at its
+        head or now, whichever is more)."""
         m = self.m
         if not getattr(m, "undo_sets_aside", True) or m.lifecycle.state(kernel_id) != RUNNING:
             return False  # (a hibernated or released kernel: the way before says why not)
-        if self._pid_namespace is None:
-            try:
-                self._pid_namespace = bool(m.engine().helper.hello().features.get(
-                    "pid_namespace"))
-            except InfinijupError:
-                return False
-        if not self._pid_namespace:
-            return False
         head = m.heads.get(kernel_id).commit
         if head is None:
             return False
-        commit = m.repo().get_commit(head)
-        meta = commit.metadata or {}
-        if meta.get("gpu") or meta.get("gpu_segments") or m.uses_gpu(kernel_id):
-            return False
-        size = int((getattr(commit, "stats", None) or {}).get("image_bytes") or 0)
-        root = m.provisioner(m.kernel(kernel_id)).root_pid
-        if root is not None:  # (it may have grown since its head)
-            size = max(size, tree_rss(root))
-        available, _total = host_memory()
-        return available >= size + size // 4 + SET_ASIDE_SPARE
+        return aside.may_set_aside(m, kernel_id, [head], aside.kernel_size(m, kernel_id, head))
 
     async def _move(self, kernel_id: str, what: str, park: bool) -> dict:
         """The move of a running kernel, its state left stored behind the restored kernel

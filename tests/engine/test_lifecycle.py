@@ -41,6 +41,22 @@ async def test_a_snapshot_stores_while_the_kernel_runs_and_the_next_operation_wa
     assert not life.busy("k")
 
 
+async def test_a_settling_kernel_runs_cells_and_the_next_move_waits_but_not_its_history():
+    life = lc.Lifecycle()
+    turn = await life.begin("k", lc.RESTORING)
+    turn.to(lc.SETTLING)  # the kernel the restore replaced is kept until the memory is back
+    assert not life.holds("k") and life.busy("k") and life.shown("k") == lc.RUNNING
+    assert life.no_process_on_purpose("k")  # the restarter leaves a restored tree that ends
+    await asyncio.wait_for(life.stored("k"), 1)  # nothing is being stored: history answers
+    waiting = asyncio.ensure_future(life.begin("k", lc.SNAPSHOTTING))
+    undoing = asyncio.ensure_future(life.settled("k"))
+    await asyncio.sleep(0.01)
+    assert not waiting.done() and not undoing.done()
+    turn.to(lc.RUNNING)
+    await asyncio.wait_for(undoing, 5)
+    (await asyncio.wait_for(waiting, 5)).to(lc.RUNNING)
+
+
 async def test_moves_the_table_does_not_allow_are_refused_with_the_state():
     life = lc.Lifecycle()
     turn = await life.begin("k", lc.HIBERNATING)

@@ -160,13 +160,11 @@ async def test_a_kernel_that_cannot_be_set_aside_is_dumped_first(notebook, tmp_p
 
 
 async def test_with_too_little_free_memory_the_kernel_is_dumped_first(
-        notebook, monkeypatch, sets_aside):
+        notebook, jp_serverapp, monkeypatch, sets_aside):
     """A second copy of the kernel would not fit (the machine's free memory read as none)."""
-    from infinijup.serverext import undo as undo_module
-
     nb = notebook
     await standing_on_a_snapshot_then_changed(nb)
-    monkeypatch.setattr(undo_module, "host_memory", lambda: (0, 64 << 30))
+    monkeypatch.setattr(manager(jp_serverapp), "host_memory", lambda: (0, 64 << 30))
     moved = await undo(nb)
     assert moved["saving"] is True and moved["from"] is None, moved
     assert await nb.value("x") == 1
