@@ -13,6 +13,11 @@ new kernel's websocket opened, the cell's reply), its memory let come back and t
 shut down. Printed: each run, then the medians and each size's ratio to the first size.
 
     python bench/restore_bench.py [--mib 256 3072] [--tier hot store] [--runs 3] [--whole]
+                                  [--pid-namespace always]
+
+``--pid-namespace always`` gives the helper's kernels PID namespaces on a machine with CUDA
+(where the helper leaves them off): a resume beside the running kernel, and a kernel kept
+aside, need them.
 
 ``INFINIJUP_BENCH_VERBOSE=1`` prints each restore's phases as the server reports them.
 """
@@ -109,7 +114,8 @@ async def one_tier(args, base: Path, helper, tier: str, rows: list[dict]) -> Non
 
 async def main_async(args) -> None:  # noqa: ANN001
     rows: list[dict] = []
-    with helper_in_base() as (base, helper):
+    extra = ("--pid-namespace", args.pid_namespace) if args.pid_namespace else ()
+    with helper_in_base(extra) as (base, helper):
         for tier in args.tier:
             await one_tier(args, base, helper, tier, rows)
     way = "whole" if args.whole else "lazy"
@@ -129,6 +135,8 @@ def main() -> None:
     p.add_argument("--tier", nargs="+", choices=["hot", "store"], default=["hot", "store"])
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--whole", action="store_true", help="the server's lazy_restore off")
+    p.add_argument("--pid-namespace", choices=["auto", "always", "never"],
+                   help="the helper's --pid-namespace (default: its own, auto)")
     asyncio.run(main_async(p.parse_args()))
 
 
