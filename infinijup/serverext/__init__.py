@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .. import config
 from ..kernel_magics import autosnap
+from . import aside
 from .handlers import setup_handlers
 from .manager import EVENT_SCHEMA_ID, SnapshotManager
 from .websocket import RestingKernelConnection
@@ -38,6 +39,7 @@ def _load_jupyter_server_extension(serverapp) -> None:  # noqa: ANN001 - jupyter
         manager.hibernation.stopping = True
         if manager.hibernate_on_shutdown:
             await manager.hibernation.hibernate_all()
+        await aside.end_all_kept(manager)  # kernels restores replaced, kept until settled
         await stop_kernels()
         await manager.remote_tier.stop(manager.remote_shutdown_wait)  # queued pushes go first
 

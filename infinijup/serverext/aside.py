@@ -95,6 +95,7 @@ async def keep_until_resident(m, run, kept: SetAside, turn) -> None:  # noqa: AN
     km, prov, kernel_id = run.km, run.prov, run.km.kernel_id
     restored = prov.tracked
     taken_back = False
+    m.kept_aside[kernel_id] = kept
     try:
         await asyncio.to_thread(holdpoint, "keep_until_resident")  # (tests hold it here)
         now: dict | None = None
@@ -123,13 +124,27 @@ async def keep_until_resident(m, run, kept: SetAside, turn) -> None:  # noqa: AN
         m.log.warning("infinijup: %s", exc.message)
         m.events.failed(Operation("restore", kernel_id, run.op.path), exc)
     finally:
-        if not taken_back:
-            if kept.process.alive():
-                try:
-                    await asyncio.to_thread(m.engine().helper.kill, kept.pid)
-                except InfinijupError as exc:
-                    m.log.warning("infinijup: ending the kernel kept aside (pid %d) failed: %s",
-                                  kept.pid, exc.message)
-            kept.close()
+        if m.kept_aside.get(kernel_id) is kept:
+            del m.kept_aside[kernel_id]
+            if not taken_back:
+                await end_kept(m, kept)
         if turn.state == SETTLING:
             turn.to(RUNNING)
+
+
+async def end_kept(m, kept: SetAside) -> None:  # noqa: ANN001
+    if kept.process.alive():
+        try:
+            await asyncio.to_thread(m.engine().helper.kill, kept.pid)
+        except InfinijupError as exc:
+            m.log.warning("infinijup: ending the kernel kept aside (pid %d) failed: %s",
+                          kept.pid, exc.message)
+    kept.close()
+
+
+async def end_all_kept(m) -> None:  # noqa: ANN001
+    """The server stops: every kernel kept aside behind a restore is ended (the restored
+    kernels are stopped with the others; nothing would end these)."""
+    while m.kept_aside:
+        _kernel_id, kept = m.kept_aside.popitem()
+        await end_kept(m, kept)

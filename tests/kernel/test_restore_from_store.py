@@ -155,6 +155,36 @@ async def test_a_restored_kernel_that_ends_before_its_memory_is_back_gives_way(
         r["kept_until_resident"]
 
 
+@needs_helper
+@pytest.mark.timeout(300)
+async def test_a_stopping_server_ends_the_kernel_kept_aside(notebook, streams_in_place, tmp_path,
+                                                           monkeypatch):
+    """Held before the server follows the memory, the server stops: its ``cleanup_kernels``
+    (serverext/__init__.py) first calls ``end_all_kept``, called here, which ends the kernel
+    kept aside (no kernel of the server's, so stopping the kernels would leave it); the
+    restored kernel runs on."""
+    from infinijup.serverext import aside
+
+    holds = tmp_path / "holds"
+    holds.mkdir()
+    monkeypatch.setenv("INFINIJUP_STORE_HOLDS", str(holds))
+    nb = notebook
+    first, digest, _second = await _two_snapshots_then_changed(nb)
+    (holds / "keep_until_resident").touch()
+    r = await nb.restore(first["commit"])
+    kept = r["kept_until_resident"]
+    await _reached(holds / "keep_until_resident")
+    assert os.path.exists(f"/proc/{kept}")
+    await aside.end_all_kept(streams_in_place)
+    deadline = time.monotonic() + 30  # hang guard: the helper reaps the tree it ended
+    while os.path.exists(f"/proc/{kept}"):
+        assert time.monotonic() < deadline, f"the kernel kept aside (pid {kept}) still runs"
+        await asyncio.sleep(0.05)
+    (holds / "keep_until_resident").unlink()
+    assert (await _settled(nb))["lifecycle"] == "running"
+    assert await nb.value(DIGEST) == digest
+
+
 async def _reached(point: Path) -> int:
     """The pid of the process held at ``point``."""
     done = Path(f"{point}.reached")
