@@ -110,6 +110,14 @@ async def keep_until_resident(m, run, kept: SetAside, turn) -> None:  # noqa: AN
             return  # all back: the kernel kept aside goes
         why = ((now or {}).get("error") or "the restored kernel ended before its memory "
                "was back").splitlines()[0]
+        if not kept.process.alive():  # nothing to give back: the restarter starts it fresh
+            exc = RestoreFailed(f"restore failed: the kernel's memory could not be brought "
+                                f"back from the store ({why}), and the kernel kept aside had "
+                                "ended too; it is restarted fresh (every snapshot is intact)",
+                                reason="pages_failed")
+            m.log.warning("infinijup: %s", exc.message)
+            m.events.failed(Operation("restore", kernel_id, run.op.path), exc)
+            return
         connected = await asyncio.to_thread(connections_to, list(run.connected or {}))
         await prov.kill()  # (the helper ended it already where its memory failed)
         move_back(kept.moved)

@@ -227,12 +227,12 @@ class RestoreRun:
         """A restore beside a kernel set aside failed after the helper's part: the restored
         tree goes, the kernel set aside is this kernel again (its socket files go back by the
         set_aside step's undo, and the server reconnects to it)."""
-        aside = self.set_aside
-        if aside is None:
+        kept = self.set_aside
+        if kept is None:
             return
         self.set_aside = None
         await self.prov.kill()
-        self.prov.attach(aside.process)
+        self.prov.attach(kept.process)
         self.reconnect_to_kept = True
 
     async def gpu_segments(self, images) -> str | None:  # noqa: ANN001
