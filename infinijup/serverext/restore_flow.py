@@ -106,7 +106,9 @@ async def restore(m, kernel_id: str, ref: str, *, branch: str | None = None,  # 
         try:
             out = await run.run()
         except RestoreFailed as exc:
-            if not (run.keeps_replaced and exc.reason == "cannot_park"):
+            # refused before anything was touched: the kernel cannot be kept aside, or its
+            # owner may run no second tree (the helper's limit); the pages are checked out
+            if not (run.keeps_replaced and exc.reason in ("cannot_park", "limit_reached")):
                 raise
             m.log.info("infinijup: restore of %s checks the pages out first: %s", kernel_id,
                        exc.message)

@@ -197,6 +197,28 @@ async def _reached(point: Path) -> int:
 
 @needs_helper
 @pytest.mark.timeout(300)
+async def test_a_kernel_the_helper_will_not_keep_aside_is_restored_from_a_checkout(
+        notebook, streams_in_place, tmp_path, monkeypatch):
+    """The kernel maps the CUDA driver (a stand-in file of that name), which the server's own
+    look is kept from seeing here: the helper refuses to keep it aside, before anything is
+    touched, and the restore checks the page files out and goes on."""
+    nb = notebook
+    monkeypatch.setattr(streams_in_place, "uses_gpu", lambda kernel_id: False)
+    first, digest, _second = await _two_snapshots_then_changed(nb)
+    driver = tmp_path / "libcuda.so.1"
+    driver.write_bytes(b"\x7fELF" + bytes(8188))
+    await nb.execute(f"import mmap\ncuda_file = open({str(driver)!r}, 'rb')\n"
+                     "cuda_map = mmap.mmap(cuda_file.fileno(), 8192, prot=mmap.PROT_READ)")
+    r = await nb.restore(first["commit"])
+    assert r["phases"]["images"] == "store" and not r["phases"]["pages_from_store"], r
+    assert "kept_until_resident" not in r, r
+    assert (await _status(nb))["lifecycle"] == "running"
+    assert await nb.value("x") == "first"
+    assert await nb.value(DIGEST) == digest
+
+
+@needs_helper
+@pytest.mark.timeout(300)
 async def test_off_the_pages_are_checked_out_before_the_kernel_is_replaced(
         notebook, streams_in_place):
     nb = notebook
