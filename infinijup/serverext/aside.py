@@ -60,19 +60,16 @@ def may_set_aside(m, kernel_id: str, commits: list[str], size: int) -> bool:  # 
 
 
 def image_bytes(m, commit_id: str) -> int:  # noqa: ANN001
-    commit = m.repo().get_commit(commit_id)
-    return int((getattr(commit, "stats", None) or {}).get("image_bytes") or 0)
+    return int((m.repo().get_commit(commit_id).stats or {}).get("image_bytes") or 0)
 
 
 def may_keep_replaced(m, kernel_id: str, commit_id: str) -> bool:  # noqa: ANN001
-    """Whether a restore of ``commit_id`` in place may keep the running kernel until the
-    restored memory is back (so that its page files may stream from the store)."""
+    """Whether a restore of ``commit_id`` in place (of a running kernel) may keep the
+    running kernel until the restored memory is back (so that its page files may stream
+    from the store)."""
     if not (m.lazy_restore and getattr(m, "restore_keeps_replaced", True)):
         return False
     head = m.heads.get(kernel_id).commit
-    root = m.provisioner(m.kernel(kernel_id)).root_pid
-    if root is None:
-        return False
     # the restored kernel grows to the snapshot's size beside the one kept
     return may_set_aside(m, kernel_id, [c for c in (head, commit_id) if c],
                          image_bytes(m, commit_id))

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from kernelkit import needs_helper
+from test_lazy_restore import _status
 
 DIGEST = "__import__('hashlib').blake2b(blob).hexdigest()"
 
@@ -36,11 +37,6 @@ def streams_in_place(jp_serverapp):  # noqa: ANN201
     m = jp_serverapp.web_app.settings["infinijup_manager"]
     m.lazy_restore, m.pages_from_store_min_bytes, m.hot_tier_bytes = True, 0, 1
     return m
-
-
-async def _status(nb) -> dict:  # noqa: ANN001
-    r = await nb.fetch("infinijup", "status", params={"kernel_id": nb.kernel_id})
-    return json.loads(r.body)
 
 
 async def _settled(nb) -> dict:  # noqa: ANN001
