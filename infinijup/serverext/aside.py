@@ -148,8 +148,9 @@ async def end_kept(m, kept: SetAside) -> None:  # noqa: ANN001
 
 
 async def end_all_kept(m) -> None:  # noqa: ANN001
-    """The server stops: every kernel kept aside behind a restore is ended (the restored
-    kernels are stopped with the others; nothing would end these)."""
+    """The server stops: every kernel kept aside behind a restore, or set aside by an undo
+    and not yet dumped, is ended (the restored kernels are stopped with the others; nothing
+    would end these)."""
     while m.kept_aside:
         _kernel_id, kept = m.kept_aside.popitem()
         await end_kept(m, kept)

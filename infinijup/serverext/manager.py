@@ -62,7 +62,8 @@ class SnapshotManager(ManagerSettings):
         self._repo_lock = threading.Lock()
         self._tasks: set[asyncio.Task] = set()
         self._helper_features: dict | None = None  # what the helper says it can do (asked once)
-        self.kept_aside: dict = {}  # kernel id -> the kernel a restore replaced (aside.py)
+        # kernel id -> the kernel a restore replaced, or an undo set aside (aside.py)
+        self.kept_aside: dict = {}
         self._busy_waits: dict[str, set[asyncio.Event]] = {}  # kernel id -> waits to cancel
         self.lifecycle = Lifecycle(on_move=self._moved)
         self.events = Events(serverapp, self.log)

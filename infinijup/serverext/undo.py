@@ -382,6 +382,7 @@ class UndoRedo:
         kernel set aside is ended either way, before the kernel runs on."""
         m, op = self.m, run.op
         m.lifecycle.start_operation(op)
+        m.kept_aside[kernel_id] = aside  # a stopping server ends it (aside.end_all_kept)
 
         async def dumped_and_stored():  # noqa: ANN202 - engine.DumpResult
             try:
@@ -397,7 +398,9 @@ class UndoRedo:
                     m.engine().snapshot, aside.pid, message=run.message,
                     on_progress=m.events.progress(op), replan=run.replan, background=True,
                     leave_running=False, **planned)
-            finally:  # (also when the server stops meanwhile: the kernel set aside goes)
+            finally:
+                if m.kept_aside.get(kernel_id) is aside:
+                    del m.kept_aside[kernel_id]
                 if aside.process.alive():
                     try:
                         await asyncio.to_thread(m.engine().helper.kill, aside.pid)

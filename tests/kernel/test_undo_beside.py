@@ -136,6 +136,33 @@ def manager(jp_serverapp):  # noqa: ANN201
     return jp_serverapp.web_app.settings["infinijup_manager"]
 
 
+async def test_a_stopping_server_ends_the_kernel_set_aside(notebook, holds, jp_serverapp,
+                                                          sets_aside, operation_events):
+    """Held before its dump, the server stops: its ``cleanup_kernels`` (serverext/__init__.py)
+    first calls ``end_all_kept``, called here, which ends the kernel set aside (no kernel of
+    the server's, so stopping the kernels would leave it). Its late save then fails, said
+    once; the undone kernel runs on."""
+    from infinijup.serverext import aside
+
+    nb, seen = notebook, operation_events
+    await standing_on_a_snapshot_then_changed(nb)
+    (holds / "set_aside").touch()
+    await undo(nb)
+    await reached(holds / "set_aside")
+    left_pid = int(set_aside_files(jp_serverapp, nb)[0].name.split("-")[1])
+    assert os.path.exists(f"/proc/{left_pid}")
+    await aside.end_all_kept(manager(jp_serverapp))
+    for _ in range(600):  # hang guard only: the helper reaps the tree it ended
+        if not os.path.exists(f"/proc/{left_pid}"):
+            break
+        await asyncio.sleep(0.05)
+    assert not os.path.exists(f"/proc/{left_pid}"), "the kernel set aside still runs"
+    assert set_aside_files(jp_serverapp, nb) == []
+    (holds / "set_aside").unlink()
+    await reported_once(seen)
+    assert await nb.value("x") == 1
+
+
 @pytest.mark.parametrize("seen_by", ["server", "helper"])
 async def test_a_kernel_that_cannot_be_set_aside_is_dumped_first(notebook, tmp_path, seen_by,
                                                                  jp_serverapp, monkeypatch):
