@@ -37,6 +37,8 @@ import contextlib
 import logging
 import os
 import select
+import socket
+import stat
 import subprocess
 import threading
 import time
@@ -237,6 +239,29 @@ class PageStream:
     def report(self) -> dict[str, Any]:
         return {"state": self.state, "daemon_pid": self.proc.pid, "error": self.error,
                 "resident_s": self.resident_s}
+
+
+def end_waiting_daemon(staging_fd: int) -> bool:
+    """A leftover staging dir of a helper that died mid-restore (paths.py removes them as the
+    next one starts): a page daemon that still waits there for its restore, which never came
+    (CRIU was killed with the old helper before it connected), is told to give up; else it
+    would listen on its socket for ever. It accepts one connection and then reads the
+    restore's userfaultfds from it: a connection that closes at once makes it exit. A
+    daemon that already has its restore has closed its socket (the connection is refused)
+    and serves on. True if a daemon was waiting."""
+    try:
+        st = os.stat(SOCKET, dir_fd=staging_fd, follow_symlinks=False)
+    except OSError:
+        return False
+    if not stat.S_ISSOCK(st.st_mode):
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sk:
+        sk.settimeout(1.0)  # (a full backlog would block a connect)
+        try:
+            sk.connect(f"/proc/self/fd/{staging_fd}/{SOCKET}")
+        except OSError:
+            return False
+    return True
 
 
 _NOT_SERVED = {2, 6, 0x80, "DEAD", "Dead", "dead", "ZOMBIE", "Zombie", "zombie",

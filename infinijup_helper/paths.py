@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import logging
 import os
 import shutil
 import stat
@@ -35,8 +36,11 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from .lazy_pages import end_waiting_daemon
 from .proc import Caller
 from .protocol import RequestError
+
+log = logging.getLogger(__name__)
 
 STAGING = ".staging"
 NSINIT_DIR = ".nsinit"
@@ -128,9 +132,23 @@ class WorkDirs:
             os.chown(path, 0, 0, follow_symlinks=False)
             os.chmod(path, mode, follow_symlinks=False)
         self._root_fd = os.open(self.root, DIR_FLAGS)
-        # Leftovers of a helper that died mid-operation: nobody can be using them now.
-        for entry in os.listdir(self.staging_root):
-            shutil.rmtree(os.path.join(self.staging_root, entry), ignore_errors=True)
+        # Leftovers of a helper that died mid-operation: nobody can be using them now but a
+        # page daemon, serving an adopted tree (it holds what it reads open) or waiting for a
+        # restore that will never come, which is told to give up.
+        staging_fd = os.open(self.staging_root, DIR_FLAGS)
+        try:
+            for entry in os.listdir(staging_fd):
+                with contextlib.suppress(OSError):
+                    fd = os.open(entry, DIR_FLAGS, dir_fd=staging_fd)
+                    try:
+                        if end_waiting_daemon(fd):
+                            log.info("a page daemon waited in %s for a restore that never "
+                                     "came: told to give up", entry)
+                    finally:
+                        os.close(fd)
+                shutil.rmtree(entry, dir_fd=staging_fd, ignore_errors=True)
+        finally:
+            os.close(staging_fd)
         with open(nsinit_source, "rb") as f:
             script = f.read()
         nsinit_fd = os.open(self.nsinit_root, DIR_FLAGS)

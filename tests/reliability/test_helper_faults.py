@@ -13,6 +13,7 @@ phase event, for a file a hook writes, or for one of the helper's hold points
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -194,7 +195,18 @@ async def start_restore_to_interrupt(nb, jp_serverapp, rhelper, store_path, seed
                                                             "commit": snap["commit"]}))
     ctx["criu_pid"] = (await rhelper.holds.reached("criu_restore_request"))["criu_pid"]
     ctx["criu"] = [psutil.Process(ctx["criu_pid"])]
+    # a lazy restore's page daemon, started before CRIU: it must not outlive the restore
+    ctx["daemons"] = page_daemons(rhelper.pid)
     return ctx
+
+
+def page_daemons(helper_pid: int) -> list[psutil.Process]:
+    found = []
+    for p in psutil.Process(helper_pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # (a zombie: the kernel the restore ended)
+            if "lazy-pages" in p.cmdline():
+                found.append(p)
+    return found
 
 
 async def check_interrupted_restore(nb, jp_serverapp, rhelper, store_path, ctx) -> str:
@@ -232,6 +244,9 @@ async def check_interrupted_restore(nb, jp_serverapp, rhelper, store_path, ctx) 
         await state_intact(nb, ctx["digest"], {"x": "snapshotted"})
     assert store_state(store_path) == ctx["before"]
     assert_store_ok(store_path)
+    # its page daemon served the adopted tree and exited, or (its restore never came) the
+    # helper that started next told it to give up: none is left listening
+    wait_gone(ctx["daemons"])
     await nb.execute("x = 'current'")
     await next_snapshot_and_restore_work(nb, rhelper, ctx["digest"])
     return outcome
