@@ -382,9 +382,13 @@ class _Proxy:
             asked.put(None)
 
 
-def send_ask(sk: socket.socket, pages: str, offset: int, length: int) -> None:
+def ask_bytes(pages: str, offset: int, length: int) -> bytes:
     name = pages.encode()
-    sk.sendall(struct.pack("<I", len(name)) + name + ASK.pack(offset, length))
+    return struct.pack("<I", len(name)) + name + ASK.pack(offset, length)
+
+
+def send_ask(sk: socket.socket, pages: str, offset: int, length: int) -> None:
+    sk.sendall(ask_bytes(pages, offset, length))
 
 
 def read_exact(sk: socket.socket, into: bytearray | memoryview) -> memoryview:

@@ -33,14 +33,16 @@ import stat
 import struct
 import subprocess
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from .criu import PE_PARENT, PE_PRESENT, image_names
-from .page_proxy import PAGE, LazyMap, read_exact, send_ask, untrusted
+from .page_proxy import PAGE, LazyMap, ask_bytes, read_exact, untrusted
 from .proc import Caller
 
 PE_LAZY = 2
 FILL_CHUNK = 8 << 20
+ASK_BATCH = 64
 
 
 def _connect(images_fd: int, name: str, caller: Caller) -> socket.socket:
@@ -109,22 +111,24 @@ class PageSource:
                 if lazy_ok and flags & PE_LAZY:
                     m.starts.append(vaddr)
                     m.ranges.append((vaddr, nr, offset))
+                elif eager and eager[-1][0] + eager[-1][1] == offset:  # one ask for both
+                    eager[-1] = (eager[-1][0], eager[-1][1] + nr * PAGE)
                 else:
                     eager.append((offset, nr * PAGE))
                 offset += nr * PAGE
-            if offset:  # a source whose file is short fails now, before anything is touched
-                self._ask(pages, offset - PAGE, PAGE)
+            # (offset, bytes, written here): first the file's last page (a source whose file
+            # is short fails now, before anything is touched), then what CRIU reads itself
+            pieces = [(offset - PAGE, PAGE, False)] if offset else []
+            pieces += [(part, min(FILL_CHUNK, at + size - part), True)
+                       for at, size in eager for part in range(at, at + size, FILL_CHUNK)]
             fd = os.open(pages, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                          0o600, dir_fd=staging_fd)
             try:
                 os.fchown(fd, owner.uid, owner.gid)  # CRIU may read it as the caller
                 os.ftruncate(fd, offset)
-                for at, size in eager:
-                    for part in range(at, at + size, FILL_CHUNK):
-                        n = min(FILL_CHUNK, at + size - part)
-                        data = self._ask(pages, part, n)
-                        if os.pwrite(fd, data, part) != n:
-                            raise OSError("short write")
+                for (part, n, write), data in zip(pieces, self._ask_many(pages, pieces), strict=True):
+                    if write and os.pwrite(fd, data, part) != n:
+                        raise OSError("short write")
             finally:
                 os.close(fd)
             if m.ranges:
@@ -134,9 +138,16 @@ class PageSource:
             total += offset
         return total
 
-    def _ask(self, pages: str, offset: int, length: int) -> memoryview:
-        send_ask(self.sock, pages, offset, length)
-        return read_exact(self.sock, bytearray(length))
+    def _ask_many(self, pages: str, pieces: list[tuple[int, int, bool]]) -> Iterator[memoryview]:
+        """The answers to asks for ``pieces`` of ``pages``, in order. A few hundred small
+        ranges are usual: they are asked in batches, each sent whole before its answers are
+        read (at most ``ASK_BATCH`` asks, a few KiB: the socket takes them while the source
+        answers), not one round trip each."""
+        for first in range(0, len(pieces), ASK_BATCH):
+            batch = pieces[first:first + ASK_BATCH]
+            self.sock.sendall(b"".join(ask_bytes(pages, at, n) for at, n, _ in batch))
+            for _at, n, _ in batch:
+                yield read_exact(self.sock, bytearray(n))
 
     # -- serving CRIU's page daemon
 
