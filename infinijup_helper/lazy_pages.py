@@ -248,20 +248,25 @@ def end_waiting_daemon(staging_fd: int) -> bool:
     would listen on its socket for ever. It accepts one connection and then reads the
     restore's userfaultfds from it: a connection that closes at once makes it exit. A
     daemon that already has its restore has closed its socket (the connection is refused)
-    and serves on. True if a daemon was waiting."""
+    and serves on. True if a daemon was waiting. (The socket is connected to through a
+    descriptor of it, opened without following a link: a name swapped meanwhile for a
+    link to some other socket is not connected to as root.)"""
     try:
-        st = os.stat(SOCKET, dir_fd=staging_fd, follow_symlinks=False)
+        fd = os.open(SOCKET, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=staging_fd)
     except OSError:
         return False
-    if not stat.S_ISSOCK(st.st_mode):
-        return False
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sk:
-        sk.settimeout(1.0)  # (a full backlog would block a connect)
-        try:
-            sk.connect(f"/proc/self/fd/{staging_fd}/{SOCKET}")
-        except OSError:
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
             return False
-    return True
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sk:
+            sk.settimeout(1.0)  # (a full backlog would block a connect)
+            try:
+                sk.connect(f"/proc/self/fd/{fd}")
+            except OSError:
+                return False
+        return True
+    finally:
+        os.close(fd)
 
 
 _NOT_SERVED = {2, 6, 0x80, "DEAD", "Dead", "dead", "ZOMBIE", "Zombie", "zombie",

@@ -139,9 +139,9 @@ class PageSource:
         return total
 
     def _ask_many(self, pages: str, pieces: list[tuple[int, int, bool]]) -> Iterator[memoryview]:
-        """The answers to asks for ``pieces`` of ``pages``, in order. A few hundred small
-        ranges are usual: they are asked in batches, each sent whole before its answers are
-        read (at most ``ASK_BATCH`` asks, a few KiB: the socket takes them while the source
+        """The answers to asks for ``pieces`` of ``pages``, in order. Dozens of small ranges
+        are usual: they are asked in batches, each sent whole before its answers are read
+        (at most ``ASK_BATCH`` asks, a few KiB: the socket takes them while the source
         answers), not one round trip each."""
         for first in range(0, len(pieces), ASK_BATCH):
             batch = pieces[first:first + ASK_BATCH]

@@ -108,3 +108,36 @@ def test_a_registry_of_another_boot_is_forgotten(other_account, written) -> None
         victim.kill()
         victim.wait()
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_leftover_page_daemon_socket_is_told_to_give_up_and_no_link_is_followed(tmp_path) -> None:
+    """A restarted helper connects to the page daemon socket of each staging dir left over
+    and closes at once (a daemon still waiting for its restore reads nothing and exits:
+    tests/reliability's ``test_helper_and_criu_killed_at_criu_start``). The name is opened
+    without following a link, so a link put there to some other socket is not connected to."""
+    import socket
+
+    from infinijup_helper.lazy_pages import SOCKET, end_waiting_daemon
+
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    daemon = socket.socket(socket.AF_UNIX)
+    daemon.bind(str(staging / SOCKET))
+    daemon.listen(1)
+    fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert end_waiting_daemon(fd)
+        conn, _ = daemon.accept()
+        assert conn.recv(16) == b""  # closed at once: the daemon's read of the restore fails
+        conn.close()
+        os.unlink(staging / SOCKET)
+        other = socket.socket(socket.AF_UNIX)
+        other.bind(str(tmp_path / "other.sock"))
+        other.listen(1)
+        os.symlink(tmp_path / "other.sock", staging / SOCKET)
+        assert not end_waiting_daemon(fd)
+        other.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            other.accept()  # nobody connected to it
+    finally:
+        os.close(fd)
