@@ -129,15 +129,23 @@ async def keep_until_resident(m, run, kept: SetAside, turn) -> None:  # noqa: AN
         m.log.warning("infinijup: %s", exc.message)
         m.events.failed(Operation("restore", kernel_id, run.op.path), exc)
     finally:
-        if m.kept_aside.get(kernel_id) is kept:
-            del m.kept_aside[kernel_id]
-            if not taken_back:
-                await end_kept(m, kept)
+        if let_go(m, kernel_id, kept) and not taken_back:
+            await end_kept(m, kept)
         if turn.state == SETTLING:
             turn.to(RUNNING)
 
 
+def let_go(m, kernel_id: str, kept: SetAside) -> bool:  # noqa: ANN001
+    """``kept`` off the record of kernels kept aside; False where a stopping server took it
+    (and ended it) first."""
+    if m.kept_aside.get(kernel_id) is not kept:
+        return False
+    del m.kept_aside[kernel_id]
+    return True
+
+
 async def end_kept(m, kept: SetAside) -> None:  # noqa: ANN001
+    """The kernel kept (or set) aside ended, its socket files and handle let go."""
     if kept.process.alive():
         try:
             await asyncio.to_thread(m.engine().helper.kill, kept.pid)

@@ -240,7 +240,7 @@ class UndoRedo:
             from_kernel=False, execution_count=None, described=None, request_id=None)
         run.skip_unchanged = run.auto = run.background = True
         t0 = time.perf_counter()
-        aside: SetAside | None = None
+        kept: SetAside | None = None
         await self._load(kernel_id)
         try:
             async with Steps(m.log) as step:
@@ -284,17 +284,17 @@ class UndoRedo:
                                what, kernel_id, exc.message)
                     return await self._dumped_first(step, run, planned, turn, kernel_id, what,
                                                     target, here_cell, t0)
-                aside = result.pop("set_aside", None)
+                kept = result.pop("set_aside", None)
         except BaseException:
             if turn.state == RESTORING:
                 turn.back()
             raise
         self._moved(kernel_id, what, None, target)
-        if aside is None:  # (the helper ended it after all)
+        if kept is None:  # (the helper ended it after all)
             turn.to(RUNNING)
         else:
             turn.to(STORING)
-            m.spawn(self._store_aside(run, planned, aside, turn, kernel_id, what))
+            m.spawn(self._store_aside(run, planned, kept, turn, kernel_id, what))
         return self._answer(result, what, here_cell, target, save_s, saved=True, here=None)
 
     async def _dumped_first(self, step: Steps, run, planned: dict, turn, kernel_id: str,  # noqa: ANN001
@@ -375,14 +375,14 @@ class UndoRedo:
         return {**result, "phases": {**result.get("phases", {}), "save_s": save_s},
                 "from": here, "saved": saved, "saving": saved and here is None, "says": says}
 
-    async def _store_aside(self, run, planned: dict, aside: SetAside, turn,  # noqa: ANN001
+    async def _store_aside(self, run, planned: dict, kept: SetAside, turn,  # noqa: ANN001
                            kernel_id: str, what: str) -> None:
         """Behind the restored kernel: dump the kernel set aside (which ends it), store it as
         the state left, and put it on the redo list. Its failure is reported once; the
         kernel set aside is ended either way, before the kernel runs on."""
         m, op = self.m, run.op
         m.lifecycle.start_operation(op)
-        m.kept_aside[kernel_id] = aside  # a stopping server ends it (aside.end_all_kept)
+        m.kept_aside[kernel_id] = kept  # a stopping server ends it (aside.end_all_kept)
 
         async def dumped_and_stored():  # noqa: ANN202 - engine.DumpResult
             try:
@@ -395,19 +395,12 @@ class UndoRedo:
                 await asyncio.to_thread(holdpoint, "set_aside")  # (tests hold it here)
                 m.events.emit(op, "dump", 30)
                 return await asyncio.to_thread(
-                    m.engine().snapshot, aside.pid, message=run.message,
+                    m.engine().snapshot, kept.pid, message=run.message,
                     on_progress=m.events.progress(op), replan=run.replan, background=True,
                     leave_running=False, **planned)
             finally:
-                if m.kept_aside.get(kernel_id) is aside:
-                    del m.kept_aside[kernel_id]
-                if aside.process.alive():
-                    try:
-                        await asyncio.to_thread(m.engine().helper.kill, aside.pid)
-                    except InfinijupError as exc:
-                        m.log.warning("infinijup: ending the kernel set aside (pid %d) "
-                                      "failed: %s", aside.pid, exc.message)
-                aside.close()
+                aside.let_go(m, kernel_id, kept)
+                await aside.end_kept(m, kept)
 
         await self._stored_behind(run, asyncio.ensure_future(dumped_and_stored()), turn,
                                   kernel_id, what)
