@@ -135,10 +135,27 @@ async def wait_answering(km, timeout: float) -> float:
         kc.stop_channels()
 
 
+async def answers_between_cells(km, timeout: float) -> bool:
+    """Whether the kernel answers a kernel_info request within ``timeout``. A kernel reads its
+    shell requests one at a time, after the running cell ends, so an answer means that no cell
+    ran when it was read, whatever the server's view says: that view is built from the iopub
+    statuses the server read, and misses those sent before its subscription reached the kernel
+    or after a message it could not verify."""
+    kc = km.client()
+    kc.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+    try:
+        await _shell_reply(kc, kc.kernel_info(), timeout)
+        return True
+    except (TimeoutError, asyncio.TimeoutError):
+        return False
+    finally:
+        kc.stop_channels()
+
+
 def watch_activity_anew(kernel_manager, km) -> None:
-    """jupyter_server's activity stream closes on the first message it cannot verify (those a
-    restored kernel signed with its snapshot's key before it was adopted): watch the kernel
-    anew. It answered, and nothing runs until the restore ends: not "starting" any more."""
+    """jupyter_server's activity stream reads nothing more after a message it cannot verify
+    (its error leaves the stream's edge-triggered socket unread; such are those a restored
+    kernel signed with its snapshot's key before it was adopted): watch the kernel anew. It answered, and nothing runs until the restore ends: not "starting" any more."""
     stream = getattr(km, "_activity_stream", None)
     if stream is not None and not stream.closed():
         stream.close()

@@ -25,8 +25,8 @@ from traitlets import observe
 
 from .. import config
 from ..engine import SnapshotEngine
-from ..engine.kernel_channel import run_agent
-from ..engine.lifecycle import HIBERNATED, RUNNING, Lifecycle
+from ..engine.kernel_channel import answers_between_cells, run_agent, watch_activity_anew
+from ..engine.lifecycle import HIBERNATED, RELEASED, RUNNING, Lifecycle
 from ..errors import BadRequest, Conflict, InfinijupError, NotFound, PreflightRefused
 from ..gpu import arena as gpu_arena
 from ..gpu import room, room_plan
@@ -44,6 +44,11 @@ from .settings import ManagerSettings
 from .undo import UndoRedo
 
 __all__ = ["EVENT_SCHEMA_ID", "SnapshotManager"]
+
+# The server's view of a kernel's state comes from the iopub statuses it saw, and misses those
+# sent before its subscription reached the kernel: past this many seconds of "busy" (or
+# "starting"), a wait asks the kernel itself (kernel_channel.answers_between_cells).
+ASK_KERNEL_AFTER = 0.5
 
 
 class SnapshotManager(ManagerSettings):
@@ -271,12 +276,20 @@ class SnapshotManager(ManagerSettings):
     async def wait_idle(self, km) -> None:
         """Until the kernel's running cell ends: 409 ``kernel_busy`` past ``busy_timeout``,
         409 ``cancelled`` on ``cancel``; never interrupts the cell."""
-        deadline = time.monotonic() + self.busy_timeout
+        started = time.monotonic()
+        deadline = started + self.busy_timeout
         stop = asyncio.Event()
         waits = self._busy_waits.setdefault(km.kernel_id, set())
         waits.add(stop)
+        asked = None  # the kernel itself, asked once the server's view has said busy a while
         try:
             while getattr(km, "execution_state", "idle") not in ("idle", "dead"):
+                if asked is None and time.monotonic() - started > ASK_KERNEL_AFTER \
+                        and self.lifecycle.state(km.kernel_id) in (RUNNING, RELEASED):
+                    asked = asyncio.ensure_future(
+                        answers_between_cells(km, deadline - time.monotonic()))
+                if asked is not None and self._answered_idle(km, asked):
+                    return
                 if stop.is_set():
                     raise Conflict("cancelled while the kernel was busy: the running cell "
                                    "goes on", reason="cancelled")
@@ -287,6 +300,21 @@ class SnapshotManager(ManagerSettings):
                 await asyncio.sleep(0.05)
         finally:
             waits.discard(stop)
+            if asked is not None:
+                asked.cancel()
+
+    def _answered_idle(self, km, asked: asyncio.Future) -> bool:
+        """The kernel answered between cells (wait_idle): the server's view, which said
+        otherwise, is set right and watched anew (jupyter_server's reader of the kernel's
+        statuses reads nothing more after a message it cannot verify)."""
+        if not asked.done() or asked.cancelled() or asked.exception() is not None \
+                or not asked.result():
+            return False
+        self.log.warning("infinijup: kernel %s answered between cells while the server's view "
+                         "said %r: it is idle", km.kernel_id, km.execution_state)
+        watch_activity_anew(self.kernel_manager, km)
+        km.execution_state = "idle"
+        return True
 
     async def cancel(self, kernel_id: str) -> dict:
         """Give up what waits for this busy kernel (a snapshot, restore, hibernation or
