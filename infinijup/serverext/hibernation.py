@@ -401,6 +401,9 @@ class Hibernation:
         """Rest the kernels idle long enough; never a busy one, never one an operation holds."""
         release_after = self.manager.gpu_release_after
         hibernate_after = self.manager.hibernate_after
+        quiet_s = min((t for t in (release_after, hibernate_after) if t > 0), default=None)
+        if quiet_s is not None:
+            await self.manager.recheck_quiet(now, quiet_s)
         for kernel_id, idle_s in self.manager.idle_kernels(now):
             state = self.lifecycle.state(kernel_id)  # running or released (idle_kernels)
             try:

@@ -49,6 +49,7 @@ __all__ = ["EVENT_SCHEMA_ID", "SnapshotManager"]
 # sent before its subscription reached the kernel: past this many seconds of "busy" (or
 # "starting"), a wait asks the kernel itself (kernel_channel.answers_between_cells).
 ASK_KERNEL_AFTER = 0.5
+RECHECK_WAIT = 2.0  # how long the idle policy waits for a quiet kernel's answer
 
 
 class SnapshotManager(ManagerSettings):
@@ -70,6 +71,7 @@ class SnapshotManager(ManagerSettings):
         # kernel id -> the kernel a restore replaced, or an undo set aside (aside.py)
         self.kept_aside: dict = {}
         self._busy_waits: dict[str, set[asyncio.Event]] = {}  # kernel id -> waits to cancel
+        self._rechecked: dict[str, float] = {}  # kernel id -> when recheck_quiet last asked it
         self.lifecycle = Lifecycle(on_move=self._moved)
         self.events = Events(serverapp, self.log)
         self.heads = history.Heads(serverapp.kernel_manager)
@@ -302,6 +304,27 @@ class SnapshotManager(ManagerSettings):
             waits.discard(stop)
             if asked is not None:
                 asked.cancel()
+
+    async def recheck_quiet(self, now: float, quiet_s: float) -> None:
+        """Ask each kernel that the server's view has shown busy (or starting), with no message
+        read for ``quiet_s``, whether it is between cells (at most once per ``quiet_s``): the
+        idle policy then rests a kernel whose idle the view missed, never a busy one."""
+        ids = self.kernel_ids()
+        self._rechecked = {k: t for k, t in self._rechecked.items() if k in ids}
+        for kernel_id in ids:
+            km = self.kernel_manager.get_kernel(kernel_id)
+            last = getattr(km, "last_activity", None)
+            if not isinstance(getattr(km, "provisioner", None), InfinijupProvisioner) \
+                    or getattr(km, "execution_state", "idle") in ("idle", "dead") \
+                    or self.lifecycle.busy(kernel_id) \
+                    or self.lifecycle.state(kernel_id) not in (RUNNING, RELEASED) \
+                    or last is None or now - last.timestamp() < quiet_s \
+                    or now - self._rechecked.get(kernel_id, float("-inf")) < quiet_s:
+                continue
+            self._rechecked[kernel_id] = now
+            asked = asyncio.ensure_future(answers_between_cells(km, RECHECK_WAIT))
+            await asyncio.wait([asked])
+            self._answered_idle(km, asked)
 
     def _answered_idle(self, km, asked: asyncio.Future) -> bool:
         """The kernel answered between cells (wait_idle): the server's view, which said

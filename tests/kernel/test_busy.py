@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 from jupyter_client.asynchronous import AsyncKernelClient
@@ -96,62 +97,93 @@ async def test_a_wait_can_be_cancelled_and_a_late_quiesce_is_undone(notebook, jp
     assert snap["commit"]
 
 
-async def test_a_kernel_whose_idle_the_server_missed_still_moves(jp_fetch, jp_serverapp,
-                                                                 infinijup_kernelspec, tmp_path,
-                                                                 caplog):
+class OwnClient:
+    """A kernel started through the server and driven only through its own connection file
+    (iopub is not read: one message there is signed with a wrong key)."""
+
+    def __init__(self, jp_fetch, km) -> None:
+        self.fetch, self.km = jp_fetch, km
+        self.kc = AsyncKernelClient(connection_file=km.connection_file)
+        self.kc.load_connection_file()
+        self.kc.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+
+    async def run(self, code: str) -> str:
+        """Run ``code``; the value of ``y`` after it."""
+        msg_id = self.kc.execute(code, user_expressions={"y": "y"})
+        while True:
+            reply = await self.kc.get_shell_msg(timeout=120)
+            if reply["parent_header"].get("msg_id") == msg_id:
+                assert reply["content"]["status"] == "ok", reply["content"]
+                return reply["content"]["user_expressions"]["y"]["data"]["text/plain"]
+
+    async def post(self, route: str, body: dict) -> tuple[int, dict]:
+        r = await self.fetch("infinijup", route, method="POST", body=json.dumps(body),
+                             request_timeout=600, raise_error=False)
+        return r.code, json.loads(r.body)
+
+    async def deafen_the_server(self, caplog) -> None:
+        """A cell that sends, between its busy and idle, a message the server cannot verify."""
+        assert await self.run("from jupyter_client.session import Session\n"
+                              "k = get_ipython().kernel\n"
+                              "Session(key=b'not-the-kernel-key').send(k.iopub_socket, 'stream', "
+                              "{'name': 'stdout', 'text': 'x'})\ny = 100") == "100"
+        while "Invalid Signature" not in caplog.text:
+            await asyncio.sleep(0.01)  # the server's reader read it: an uncaught error
+        assert self.km.execution_state == "busy"  # and it read nothing after it (the idle)
+
+
+@pytest.fixture
+def own_client(jp_fetch, jp_serverapp, infinijup_kernelspec, jp_asyncio_loop):
+    async def start() -> OwnClient:
+        r = await jp_fetch("api", "sessions", method="POST", body=json.dumps(
+            {"path": "own.ipynb", "type": "notebook", "name": "own.ipynb",
+             "kernel": {"name": infinijup_kernelspec}}))
+        km = jp_serverapp.kernel_manager.get_kernel(json.loads(r.body)["kernel"]["id"])
+        client = OwnClient(jp_fetch, km)
+        await client.kc.wait_for_ready(timeout=120)
+        return client
+
+    client = jp_asyncio_loop.run_until_complete(start())  # pytest-jupyter's loop (kernelkit)
+    yield client
+    client.kc.stop_channels()
+
+
+async def test_a_kernel_whose_idle_the_server_missed_still_moves(own_client, jp_serverapp,
+                                                                 tmp_path, caplog):
     """The server's view of a kernel is built from the iopub statuses it read; its reader reads
     nothing more after a message it cannot verify (as a restored kernel's, signed with its old
     key), and any status sent before it subscribed is missed. A kernel driven through its own
     connection file whose idle the server never read is still restored at once: the wait asks
     the kernel, which answers only between cells."""
-    r = await jp_fetch("api", "sessions", method="POST", body=json.dumps(
-        {"path": "own.ipynb", "type": "notebook", "name": "own.ipynb",
-         "kernel": {"name": infinijup_kernelspec}}))
-    kernel_id = json.loads(r.body)["kernel"]["id"]
-    km = jp_serverapp.kernel_manager.get_kernel(kernel_id)
+    me, km = own_client, own_client.km
     manager(jp_serverapp).busy_timeout = 20.0
-    kc = AsyncKernelClient(connection_file=km.connection_file)
-    kc.load_connection_file()
-    kc.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+    await me.run("y = 99")
+    code, snap = await me.post("snapshot", {"kernel_id": km.kernel_id})
+    assert code == 201, snap
+    await me.deafen_the_server(caplog)
+    code, body = await me.post("restore", {"kernel_id": km.kernel_id, "commit": snap["commit"]})
+    assert code == 200, body
+    assert await me.run("y") == "99"
+    # the server watches the kernel anew: a cell it did not start shows busy, then idle
+    flag = tmp_path / "go"
+    cell = asyncio.ensure_future(me.run(f"import os, time\nwhile not os.path.exists("
+                                        f"{str(flag)!r}): time.sleep(0.01)"))
+    while km.execution_state != "busy":
+        await asyncio.sleep(0.01)
+    flag.touch()
+    assert await cell == "99"
+    while km.execution_state != "idle":
+        await asyncio.sleep(0.01)
 
-    async def run(code: str) -> dict:
-        msg_id = kc.execute(code, user_expressions={"y": "y"})
-        while True:  # iopub is not read: one message there is signed with a wrong key
-            reply = await kc.get_shell_msg(timeout=120)
-            if reply["parent_header"].get("msg_id") == msg_id:
-                assert reply["content"]["status"] == "ok", reply["content"]
-                return reply["content"]["user_expressions"]["y"]["data"]["text/plain"]
 
-    async def post(route: str, body: dict) -> tuple[int, dict]:
-        r = await jp_fetch("infinijup", route, method="POST", body=json.dumps(body),
-                           request_timeout=600, raise_error=False)
-        return r.code, json.loads(r.body)
-
-    try:
-        await kc.wait_for_ready(timeout=120)
-        await run("y = 99")
-        code, snap = await post("snapshot", {"kernel_id": kernel_id})
-        assert code == 201, snap
-        # between this cell's busy and idle, a message the server cannot verify
-        assert await run("from jupyter_client.session import Session\n"
-                         "k = get_ipython().kernel\n"
-                         "Session(key=b'not-the-kernel-key').send(k.iopub_socket, 'stream', "
-                         "{'name': 'stdout', 'text': 'x'})\ny = 100") == "100"
-        while "Invalid Signature" not in caplog.text:
-            await asyncio.sleep(0.01)  # the server's reader read it: an uncaught error
-        assert km.execution_state == "busy"  # and it read nothing after it (the idle)
-        code, body = await post("restore", {"kernel_id": kernel_id, "commit": snap["commit"]})
-        assert code == 200, body
-        assert await run("y") == "99"
-        # the server watches the kernel anew: a cell it did not start shows busy, then idle
-        flag = tmp_path / "go"
-        cell = asyncio.ensure_future(run(f"import os, time\nwhile not os.path.exists("
-                                         f"{str(flag)!r}): time.sleep(0.01)"))
-        while km.execution_state != "busy":
-            await asyncio.sleep(0.01)
-        flag.touch()
-        assert await cell == "99"
-        while km.execution_state != "idle":
-            await asyncio.sleep(0.01)
-    finally:
-        kc.stop_channels()
+async def test_the_idle_policy_rests_a_kernel_whose_idle_the_server_missed(
+        own_client, jp_serverapp, caplog):
+    """... and the idle policy asks such a kernel, once it has been quiet for the policy's
+    time, whether it is between cells (test_hibernate.py: a busy kernel, asked, is left)."""
+    me, km = own_client, own_client.km
+    await me.run("y = 99")
+    await me.deafen_the_server(caplog)
+    m = manager(jp_serverapp)
+    m.hibernate_after = 1.0
+    await m.hibernation.tick(time.time() + 3600)
+    assert m.lifecycle.state(km.kernel_id) == "hibernated"
