@@ -155,7 +155,8 @@ async def answers_between_cells(km, timeout: float) -> bool:
 def watch_activity_anew(kernel_manager, km) -> None:
     """jupyter_server's activity stream reads nothing more after a message it cannot verify
     (its error leaves the stream's edge-triggered socket unread; such are those a restored
-    kernel signed with its snapshot's key before it was adopted): watch the kernel anew. It answered, and nothing runs until the restore ends: not "starting" any more."""
+    kernel signed with its snapshot's key before it was adopted): watch the kernel anew. It
+    answered, and nothing runs until the restore ends: not "starting" any more."""
     stream = getattr(km, "_activity_stream", None)
     if stream is not None and not stream.closed():
         stream.close()

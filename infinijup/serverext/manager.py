@@ -283,14 +283,15 @@ class SnapshotManager(ManagerSettings):
         stop = asyncio.Event()
         waits = self._busy_waits.setdefault(km.kernel_id, set())
         waits.add(stop)
-        asked = None  # the kernel itself, asked once the server's view has said busy a while
+        asked = seen = None  # the kernel itself, asked once the view has said busy a while
         try:
             while getattr(km, "execution_state", "idle") not in ("idle", "dead"):
                 if asked is None and time.monotonic() - started > ASK_KERNEL_AFTER \
                         and self.lifecycle.state(km.kernel_id) in (RUNNING, RELEASED):
+                    seen = getattr(km, "last_activity", None)
                     asked = asyncio.ensure_future(
                         answers_between_cells(km, deadline - time.monotonic()))
-                if asked is not None and self._answered_idle(km, asked):
+                if asked is not None and self._answered_idle(km, asked, seen):
                     return
                 if stop.is_set():
                     raise Conflict("cancelled while the kernel was busy: the running cell "
@@ -324,14 +325,16 @@ class SnapshotManager(ManagerSettings):
             self._rechecked[kernel_id] = now
             asked = asyncio.ensure_future(answers_between_cells(km, RECHECK_WAIT))
             await asyncio.wait([asked])
-            self._answered_idle(km, asked)
+            self._answered_idle(km, asked, last)
 
-    def _answered_idle(self, km, asked: asyncio.Future) -> bool:
-        """The kernel answered between cells (wait_idle): the server's view, which said
-        otherwise, is set right and watched anew (jupyter_server's reader of the kernel's
-        statuses reads nothing more after a message it cannot verify)."""
+    def _answered_idle(self, km, asked: asyncio.Future, seen) -> bool:  # noqa: ANN001
+        """The kernel answered between cells, and the server's view, which said otherwise,
+        read no message while it was asked (its ``last_activity`` is still ``seen``): the view
+        is set right and watched anew (jupyter_server's reader of the kernel's statuses reads
+        nothing more after a message it cannot verify). A view that read messages meanwhile is
+        live, and left to say when the kernel is idle."""
         if not asked.done() or asked.cancelled() or asked.exception() is not None \
-                or not asked.result():
+                or not asked.result() or getattr(km, "last_activity", None) != seen:
             return False
         self.log.warning("infinijup: kernel %s answered between cells while the server's view "
                          "said %r: it is idle", km.kernel_id, km.execution_state)
