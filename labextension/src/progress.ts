@@ -62,6 +62,8 @@ const OP_LABELS: { [op in OperationKind]: string } = {
 
 /** Notifications longer than this are cut by JupyterLab. */
 const MAX_MESSAGE = 140;
+/** When a final state is applied again, in `settleMs` after the update. */
+const FINAL_AGAIN = [4, 16, 64];
 
 export class ProgressTracker {
   constructor(options: ProgressTracker.IOptions) {
@@ -166,7 +168,7 @@ export class ProgressTracker {
    * JupyterLab creates toasts asynchronously and drops an update that comes
    * before the toast is on screen (the toast keeps its first message), so
    * updates within `settleMs` of the first message are deferred (coalesced),
-   * and a final state is applied once more a little later.
+   * and a final state is applied again 4, 16 and 64 `settleMs` later.
    *
    * @internal
    */
@@ -207,10 +209,14 @@ export class ProgressTracker {
       this._notifier.update(args);
     }
     if (final && settle > 0) {
-      setTimeout(
-        () => this._notifier.update(args),
-        Math.max(0, wait) + 4 * settle
-      );
+      // A toast a loaded browser puts on screen late keeps its first message
+      // ("starting…"): the final state is applied again, later each time.
+      for (const times of FINAL_AGAIN) {
+        setTimeout(
+          () => this._notifier.update(args),
+          Math.max(0, wait) + times * settle
+        );
+      }
     }
   }
 

@@ -270,7 +270,7 @@ describe('ProgressTracker', () => {
     expect(notifier.notes[1].message).toMatch(/^B: Stopping/);
   });
 
-  it('defers updates of a fresh notification and applies the final state twice', () => {
+  it('defers updates of a fresh notification and applies the final state again', () => {
     jest.useFakeTimers();
     try {
       const slow = new ProgressTracker({ notifier, settleMs: 250 });
@@ -289,6 +289,17 @@ describe('ProgressTracker', () => {
       });
       jest.advanceTimersByTime(1000);
       expect(update).toHaveBeenCalledTimes(3); // final state re-applied
+      expect(notifier.notes[0]).toMatchObject({
+        type: 'success',
+        message: 'R done'
+      });
+      // and again later, for a toast a loaded browser showed late
+      jest.advanceTimersByTime(3000);
+      expect(update).toHaveBeenCalledTimes(4);
+      jest.advanceTimersByTime(12000);
+      expect(update).toHaveBeenCalledTimes(5);
+      jest.advanceTimersByTime(60000);
+      expect(update).toHaveBeenCalledTimes(5);
       expect(notifier.notes[0]).toMatchObject({
         type: 'success',
         message: 'R done'
