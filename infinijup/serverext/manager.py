@@ -318,7 +318,6 @@ class SnapshotManager(ManagerSettings):
             if not isinstance(getattr(km, "provisioner", None), InfinijupProvisioner) \
                     or getattr(km, "execution_state", "idle") in ("idle", "dead") \
                     or self.lifecycle.busy(kernel_id) \
-                    or self.lifecycle.state(kernel_id) not in (RUNNING, RELEASED) \
                     or last is None or now - last.timestamp() < quiet_s \
                     or now - self._rechecked.get(kernel_id, float("-inf")) < quiet_s:
                 continue
