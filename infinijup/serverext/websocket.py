@@ -20,6 +20,8 @@ from jupyter_server.services.kernels.connection.base import (
 )
 from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebsocketConnection
 
+from ..engine.lifecycle import RESTORING
+
 V1 = "v1.kernel.websocket.jupyter.org"
 
 # What a resting kernel (hibernated, or with its GPU memory released) is asked, and what happens
@@ -71,7 +73,19 @@ class RestingKernelConnection(ZMQChannelsWebsocketConnection):
     async def prepare(self) -> None:
         if self.hibernation is not None:
             await self.hibernation.claim_record(self.kernel_id)
+            await self._after_restore()
         await super().prepare()
+
+    async def _after_restore(self) -> None:
+        """A websocket opened while a restore replaces the kernel's process (a notebook whose
+        kernel a resume just started, as Lab connects it) waits for the restore to end:
+        jupyter_server's ``prepare`` asks the kernel for its kernel_info and waits up to
+        ``kernel_info_timeout`` (60 s) for an answer that neither the process being replaced
+        nor the restored one, still signing with its snapshot's key, gives."""
+        lifecycle = self.hibernation.lifecycle
+        deadline = time.monotonic() + self.kernel_info_timeout
+        while lifecycle.state(self.kernel_id) == RESTORING and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     def connect(self):
         if self.hibernation is not None:

@@ -9,6 +9,9 @@ import shutil
 import uuid
 
 import pytest
+import tornado.httpclient
+import tornado.websocket
+from jupyter_server.utils import url_path_join
 from kernelkit import Notebook, needs_helper
 
 from infinijup.store import Repository
@@ -215,3 +218,39 @@ async def test_a_copy_resumed_without_a_session_gets_the_one_its_client_makes(no
         assert await nb.value("x") == 5
     finally:
         await nb.close()
+
+
+async def test_a_websocket_opened_while_the_resume_restores_waits_for_it(
+        notebook: Notebook, jp_serverapp, jp_http_port, jp_base_url, jp_auth_header, caplog):
+    """As Lab does after a resume into the notebook whose kernel was shut down: the session
+    shows the new kernel, and the notebook connects while the restore replaces its process.
+    The websocket opens once the restore is done (jupyter_server's own wait for the kernel's
+    kernel_info would have lasted its 60 s timeout: the restored kernel signs with its
+    snapshot's key until it is adopted), and carries cells at once."""
+    await notebook.execute("x = 41")
+    snap = await notebook.snapshot(message="before")
+    await notebook.fetch("api", "kernels", notebook.kernel_id, method="DELETE")
+    old = notebook.kernel_id
+    lifecycle = jp_serverapp.web_app.settings["infinijup_manager"].lifecycle
+    resumed = asyncio.ensure_future(resume(notebook, snap["commit"]))
+    kernel_id = None
+    while kernel_id is None:
+        for s in await jp_serverapp.session_manager.list_sessions():
+            if s.get("path") == notebook.path and s["kernel"]["id"] != old:
+                kernel_id = s["kernel"]["id"]
+        await asyncio.sleep(0.01)
+    while lifecycle.state(kernel_id) != "restoring":
+        await asyncio.sleep(0.005)
+    url = (f"ws://localhost:{jp_http_port}{url_path_join(jp_base_url, 'api/kernels', kernel_id)}"
+           f"/channels?session_id={uuid.uuid4().hex}")
+    ws = await tornado.websocket.websocket_connect(tornado.httpclient.HTTPRequest(
+        url, headers=dict(jp_auth_header), connect_timeout=600, request_timeout=600))
+    code, body = await resumed
+    assert code == 200 and body["kernel_id"] == kernel_id, body
+    nb = Notebook(notebook.fetch, notebook.ws_fetch, notebook.path)
+    nb.kernel_id, nb.ws = kernel_id, ws
+    try:
+        assert await nb.value("x + 1") == 42
+    finally:
+        ws.close()
+    assert "Timeout waiting for kernel_info reply" not in caplog.text
