@@ -158,7 +158,7 @@ def row_for(gpus: int, shape: str, batch: int, context: int, changes: int = 1,
             f"(store {stats.get('store_s') or 0:.1f} s); image {row['image_parts_gb']} GB")
 
         # Snapshots after a small change (the pause a user meets most), `changes` of them.
-        pauses = []
+        pauses, durables, stores, hots, reads = [], [], [], [], []
         second = snap
         for i in range(changes):
             execute(kernel.kc, CHANGE, timeout=600)
@@ -166,8 +166,13 @@ def row_for(gpus: int, shape: str, batch: int, context: int, changes: int = 1,
                                              f"one MLP per end card ({i + 1})", NEXT_CELL)
             s2 = second["body"]["stats"]
             pauses.append(s2["pause_s"])
+            durables.append(second["durable_s"])
+            stores.append(s2.get("store_s") or 0)
+            hots.append(s2.get("hot_s") or 0)
+            reads.append(s2.get("read_bytes", 0) / GB)
             log(f"snapshot after a change {i + 1}: pause {s2['pause_s']:.2f} s, durable "
-                f"{second['durable_s']:.1f} s (store {s2.get('store_s') or 0:.1f} s)")
+                f"{second['durable_s']:.1f} s (store {s2.get('store_s') or 0:.1f} s, hot copy "
+                f"after it {s2.get('hot_s') or 0:.1f} s, read {reads[-1]:.2f} GB)")
             if i == 0:
                 seg2 = s2.get("gpu_segments") or {}
                 row.update(second_pause_s=s2["pause_s"], second_quiesce_s=s2["quiesce_s"],
@@ -177,7 +182,12 @@ def row_for(gpus: int, shape: str, batch: int, context: int, changes: int = 1,
             row.update(changed_pauses=" ".join(f"{x:.2f}" for x in pauses),
                        changed_pause_median_s=statistics.median(pauses),
                        changed_pause_phases=pause_phases(server, kernel_id,
-                                                         second["body"]["commit"]))
+                                                         second["body"]["commit"]),
+                       changed_durables=" ".join(f"{x:.1f}" for x in durables),
+                       changed_durable_median_s=statistics.median(durables),
+                       changed_store_hot=" ".join(f"{a:.1f} / {b:.1f}"
+                                                  for a, b in zip(stores, hots, strict=True)),
+                       changed_read_gb=" ".join(f"{x:.2f}" for x in reads))
 
         # Restores of the newest snapshot to the first answer, `restores` of them. Its images
         # are the hot tier's newest: the tier gives way to each dump oldest first, and on a
@@ -243,6 +253,10 @@ METRICS = [("cards", "cards holding the model"), ("live_gb", "live GPU memory (G
            ("changed_pauses", "pauses after a change (s)"),
            ("changed_pause_median_s", "median pause after a change (s)"),
            ("changed_pause_phases", "last pause after a change: phases (s)"),
+           ("changed_durables", "durable after a change (s)"),
+           ("changed_durable_median_s", "median durable after a change (s)"),
+           ("changed_store_hot", "after a change: store / hot copy after it (s)"),
+           ("changed_read_gb", "after a change: store read (GB)"),
            ("restores", "restores to first answer, hot (s)"),
            ("restore_median_s", "median restore to first answer (s)"),
            *[(f"restore_{i}_parts", f"restore {i}: parts (s)") for i in range(1, 6)],

@@ -17,7 +17,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import InfinijupError, PreflightRefused, RestoreFailed, SnapshotFailed
@@ -29,7 +29,7 @@ from ..store.objects import Blob, File
 from ..store.thinned import CommitThinned
 from ..store.writer import entries_from_dir
 from . import criu_hints
-from .extra_files import HotCopy, data_bytes, open_extra
+from .extra_files import FileChanges, HotCopy, StoredVersions, data_bytes, open_extra
 from .hot_tier import HotTier, _allocated
 from .ingest_progress import CountingWriter, IngestProgress, Progress
 from .niced import run_niced
@@ -52,6 +52,7 @@ class Dumped:
     phases: dict = field(default_factory=dict)  # the helper's
     gpu: dict | None = None
     extra: dict = field(default_factory=dict)  # name -> fd of a file stored beside the images
+    changes: FileChanges | None = None  # what the kernel said of them (extra_files.py)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class DumpResult:
     duration_s: float
     phases: dict = field(default_factory=dict)
     hot: bool = False  # its images were kept in the hot tier
+    read_bytes: int = 0  # of the images and extra files, to store them (incremental.py)
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,7 @@ class SnapshotEngine:
         self._lazy_here: bool | None = None  # the helper takes our restores lazily
         self.pages_from_store_min_bytes = pages_from_store_min_bytes
         self._page_sources: dict[str, StorePagesProcess] = {}  # images dir -> its pages' server
+        self.stored_versions = StoredVersions()  # the extra files' last blobs (extra_files.py)
 
     def work_dir(self) -> Path:
         if self._work_dir is None:
@@ -142,6 +145,7 @@ class SnapshotEngine:
         on_dumped: Callable[[Dumped], None] | None = None,
         replan: Callable[[RefConflict], dict] | None = None,
         extra_files: dict[str, str] | None = None,
+        file_changes: FileChanges | None = None,
         background: bool = False,
         leave_running: bool = True,
     ) -> DumpResult:
@@ -155,6 +159,7 @@ class SnapshotEngine:
         ``extra_files``: name -> path of files the kernel wrote while quiesced (its GPU
         segments), stored beside the images. Each is held open under a shared lock from now
         until it is stored: the kernel, running again, waits for that before writing it anew.
+        ``file_changes``: where they changed since the kernel's earlier snapshot, if it knows.
 
         ``background``: nobody waits for the commit (an automatic snapshot): the images are
         stored ``ingest_nice`` nice levels below the caller, so that the kernel's next cells
@@ -164,7 +169,8 @@ class SnapshotEngine:
         aside: undo.py).
         """
         t0 = time.perf_counter()
-        dumped = self.dump(pid, on_progress, leave_running=leave_running)
+        dumped = replace(self.dump(pid, on_progress, leave_running=leave_running),
+                         changes=file_changes)
         try:
             dumped.extra.update(open_extra(extra_files or {}))
         except BaseException:
@@ -212,6 +218,7 @@ class SnapshotEngine:
             duration_s=t1 - t0,
             phases={"dump_s": t_dump - t0, "store_s": t_store - t_dump, "hot_s": t1 - t_store},
             hot=hot,
+            read_bytes=int(stats.get("read_bytes", 0)),
         )
 
     def dump(self, pid: int, on_progress: Progress = _no_progress,
@@ -257,9 +264,13 @@ class SnapshotEngine:
                 counted = CountingWriter(w, IngestProgress(on_progress, dumped.image_bytes))
                 base_tree = self._base_tree(parents, thread)
                 top = entries_from_dir(counted, dumped.images, base_tree)
-                entries = {**top.entries, **self._extra_entries(counted, dumped, base_tree)}
-                return w.commit(entries, thread=thread, message=message, metadata=meta,
-                                parents=parents, expected_tip=expected_tip)
+                extra = self._extra_entries(counted, dumped, base_tree)
+                commit = w.commit({**top.entries, **extra}, thread=thread, message=message,
+                                  metadata=meta, parents=parents, expected_tip=expected_tip)
+            if dumped.changes is not None and extra:
+                self.stored_versions.remember(dumped.changes.token,
+                                              {name: f.blob for name, f in extra.items()})
+            return commit
         except InfinijupError:
             raise
         except OSError as exc:
@@ -286,6 +297,11 @@ class SnapshotEngine:
                 old = {}
         out = {}
         for name, fd in dumped.extra.items():
+            stored = self.stored_versions.base(dumped.changes, name)
+            if stored is not None:  # read only where the kernel says the file changed
+                blob = writer.add_changed_file(fd, base=stored, changed=dumped.changes.changed)
+                out[name] = File(blob, 0o600)
+                continue
             e = old.get(name)
             base = Blob(e.id, e.size) if e is not None and e.kind == "file" else None
             out[name] = File(writer.add_file(f"/proc/self/fd/{fd}", base=base), 0o600)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..store.incremental import add_changed_file
+
 Progress = Callable[[str, dict], None]
 
 
@@ -39,6 +41,11 @@ class CountingWriter:
     def add_file(self, path, *, base=None):  # noqa: ANN001, ANN201
         with open(path, "rb", buffering=0) as f:
             return self._writer.add_stream(CountedFile(f, self._count), base=base)
+
+    def add_changed_file(self, fd: int, *, base, changed):  # noqa: ANN001, ANN201
+        blob = add_changed_file(self._writer, fd, base=base, changed=changed)
+        self._count(blob.size)  # done, whatever share of it was read
+        return blob
 
 
 class CountedFile:

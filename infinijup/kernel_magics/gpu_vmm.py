@@ -36,8 +36,14 @@ GO_TIMEOUT_S = 600.0
 _state: dict = {"armed": False, "installed": False, "why_not": None, "told": False,
                 "in_file": None, "token": None,
                 "go": None,  # the server's word for the token, kept until the wake succeeds
-                # the blocks' hashes of the last snapshot, and the arena file they describe
-                "hashes": None, "hashed_file": None}
+                # the blocks' hashes of the last snapshot, the arena file they describe, that
+                # snapshot's token and the file's holes then (what the next may leave unread)
+                "hashes": None, "hashed_file": None, "file_token": None, "holes": None}
+
+
+def _forget_file() -> None:
+    """The arena file is not (or no longer) what the last snapshot's hashes describe."""
+    _state["hashes"] = _state["hashed_file"] = _state["file_token"] = _state["holes"] = None
 
 
 def arena_path() -> str | None:
@@ -119,7 +125,8 @@ def offload() -> dict | None:
         return None
     t0 = time.perf_counter()
     hashes, before, changed_s = None, _state["hashes"], None
-    _state["hashes"] = None  # until this snapshot's are in the file
+    since, holes_before = _state["file_token"], _state["holes"]
+    _forget_file()  # until this snapshot's are in the file
     try:
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         # The server reads the file of the previous snapshot under a shared lock until it is
@@ -136,6 +143,7 @@ def offload() -> dict | None:
             copy, hashes, changed_s = _changed(vmm, before)
             vmm.set_copy(copy if before is not None else None)
             moved = vmm.sleep_into(path)
+            holes, in_file = _file_changes(lock, hashes, before, holes_before)
         finally:
             os.close(lock)
     except Exception as exc:
@@ -147,9 +155,14 @@ def offload() -> dict | None:
         return {"fallback": f"the segments could not be moved into {path}: {exc}"}
     _state["in_file"], _state["token"], _state["go"] = path, uuid.uuid4().hex, None
     _state["hashes"], _state["hashed_file"] = hashes, identity
+    if hashes is not None:
+        _state["file_token"], _state["holes"] = _state["token"], holes
     stats = vmm.stats()
     out = {"bytes": moved, "segments": stats["segments"], "segment_bytes": stats["bytes"],
            "seconds": round(time.perf_counter() - t0, 3), "token": _state["token"]}
+    if since is not None and in_file is not None:
+        # the file differs from the one of snapshot ``since`` only in these (offset, length)
+        out["file_changes"] = {"since": since, "changed": in_file}
     if changed_s is not None:
         out["hash_s"] = round(changed_s, 3)
     out.update(vmm.timings())
@@ -167,6 +180,23 @@ def _arena_short(fd: int, directory: str, need: int) -> str | None:
         return None
     return (f"the GPU arena has {room / 1e9:.1f} GB of room, the segments need "
             f"{need / 1e9:.1f} GB")
+
+
+def _file_changes(fd: int, hashes: dict | None, before: dict | None,
+                  holes_before: list | None) -> tuple[list | None, list | None]:
+    """The file's holes now, and where it may differ from the last snapshot's (None: it may
+    differ anywhere, or it is not known how it was)."""
+    from ..gpu import file_changes
+
+    try:
+        holes = file_changes.holes(fd)
+    except OSError:
+        return None, None
+    if hashes is None or before is None or holes_before is None:
+        return holes, None
+    size = os.fstat(fd).st_size
+    return holes, file_changes.changed(size, file_changes.kept_blocks(hashes, before),
+                                       holes_before, holes)
 
 
 def _identity(fd: int) -> tuple[int, int]:
@@ -252,7 +282,7 @@ def bring_back(restored: bool = False, source: str | None = None,
     if restored or word.get("source"):
         # a restore: the memory comes from the snapshot's copy, and the arena file holds
         # something else; the next snapshot copies every live range again
-        _state["hashes"] = _state["hashed_file"] = None
+        _forget_file()
     path = word.get("source") or source or (None if restored else _state["in_file"])
     if not isinstance(path, str):
         raise RuntimeError("the snapshot's GPU segments were not given back to the kernel")
@@ -297,7 +327,7 @@ def drop_arena() -> None:
         os.ftruncate(fd, 0)
     finally:
         os.close(fd)
-    _state["hashes"] = _state["hashed_file"] = None
+    _forget_file()
 
 
 def before_cell(*_args) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from .. import __version__, config
 from ..engine import Head, plan_snapshot
+from ..engine.extra_files import FileChanges
 from ..engine.heads import SnapshotPlan, unchanged_since
 from ..engine.kernel_channel import run_agent
 from ..engine.lifecycle import HIBERNATED, RUNNING, SNAPSHOTTING, STORING, Operation, Turn
@@ -106,8 +107,8 @@ class SnapshotRun:
         self.head = m.heads.get(km.kernel_id)
         self.aside = aside  # the ref for a snapshot of an unchanged kernel (see snapshot())
         self.kept_aside = False
-        self.skip_unchanged = False  # see snapshot()
         self.unchanged = False
+        self.file_changes: FileChanges | None = None  # what the kernel said of its arena file
         self.auto = False
         self.background: bool | None = None  # see snapshot()
         self.plan = None
@@ -137,6 +138,7 @@ class SnapshotRun:
         refused = agent.refusal(self.described)
         if refused is not None:  # the kernel touched nothing: it runs on as it was
             raise PreflightRefused(refused[0], reason=refused[1])
+        self.file_changes = FileChanges.parse((self.described or {}).get("gpu_segments"))
         self.described = agent.commit_metadata(self.described)
         token = self.described.get("gpu_segments", {}).get("token")
         self.gpu = gpu = GpuGo(token)
@@ -174,6 +176,7 @@ class SnapshotRun:
         storing = asyncio.ensure_future(asyncio.to_thread(
             m.engine().snapshot, self.prov.root_pid, message=self.message,
             on_progress=self.progress(gpu), replan=self.replan, extra_files=extra,
+            file_changes=self.file_changes if extra else None,
             on_dumped=on_dumped, background=self.is_auto() if self.background is None
             else self.background, **target))
         await asyncio.wait({dumped_at, storing}, return_when=asyncio.FIRST_COMPLETED)
@@ -210,6 +213,7 @@ class SnapshotRun:
                  "pause_s": result.pause_s, "quiesce_s": self.quiesce_s,
                  "running_again_s": self.running_again_s,
                  "store_s": result.phases.get("store_s"), "hot": result.hot,
+                 "hot_s": result.phases.get("hot_s"), "read_bytes": result.read_bytes,
                  "duration_s": time.perf_counter() - self.t0}
         for key in ("gpu_release", "gpu_segments"):
             if self.described.get(key):

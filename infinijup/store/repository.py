@@ -274,7 +274,7 @@ class Repository:
             ws = w.take_stats()
             stats = {"image_bytes": image_bytes, "stored_bytes": ws.stored_bytes,
                      "files": ws.files, "chunks": ws.chunks, "new_chunks": ws.new_chunks,
-                     "delta_chunks": ws.delta_chunks}
+                     "delta_chunks": ws.delta_chunks, "read_bytes": ws.read_bytes}
             return self._commit(tree_id, thread=thread, message=message,
                                 metadata=metadata or {}, parents=parents,
                                 expected_tip=expected_tip, stats=stats)

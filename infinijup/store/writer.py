@@ -129,6 +129,7 @@ class WriteStats:
     new_chunks: int = 0
     delta_chunks: int = 0  # new chunks stored as page deltas
     files: int = 0
+    read_bytes: int = 0  # of the files stored (less than logical: incremental.py)
 
 
 class Writer:
@@ -278,19 +279,25 @@ class Writer:
         return fut
 
     def _ingest(self, src: IO[bytes] | Iterable[bytes], base: Blob | None) -> Blob:
-        bmap = None
-        if base is not None and base.size >= MIN_DELTA_FILE and self.repo.config.page_deltas:
-            if self._reader is None:
-                self._reader = ObjectReader(self.repo)
-            bmap = BaseMap.build(self.repo, self._reader, base.id)
-        ingest = _StreamIngest(self, src, bmap)
+        ingest = _StreamIngest(self, src, self._base_map(base))
         ids, total = ingest.run()
+        return self._blob(ids, ingest.ends, total)
+
+    def _base_map(self, base: Blob | None) -> BaseMap | None:
+        if base is None or base.size < MIN_DELTA_FILE or not self.repo.config.page_deltas:
+            return None
+        if self._reader is None:
+            self._reader = ObjectReader(self.repo)
+        return BaseMap.build(self.repo, self._reader, base.id)
+
+    def _blob(self, ids: list[bytes], ends: array, total: int) -> Blob:
+        """The blob of ``ids`` (chunks ending at ``ends``), stored with its layout."""
         self.stats.logical_bytes += total
         body = encode_blob(total, ids)
         blob_id = self._id(body)
         self._put_meta(BLOB, blob_id, body)
-        if self._key is None and len(ids) >= layouts.MIN_CHUNKS and len(ingest.ends) == len(ids):
-            row = (blob_id, layouts.encode(np.frombuffer(ingest.ends, dtype=np.int64)))
+        if self._key is None and len(ids) >= layouts.MIN_CHUNKS and len(ends) == len(ids):
+            row = (blob_id, layouts.encode(np.frombuffer(ends, dtype=np.int64)))
             with self._written_lock:
                 self._layouts.append(row)  # indexed with the packs (_index_sealed)
         return Blob(blob_id.hex(), total)
@@ -574,11 +581,15 @@ class _StreamIngest:
     """
 
     def __init__(self, writer: Writer, src: IO[bytes] | Iterable[bytes],
-                 bmap: BaseMap | None = None) -> None:
+                 bmap: BaseMap | None = None, origin: int = 0) -> None:
         self.w = writer
         self.bmap = bmap
         self.chunker = writer.repo.chunker
         self.splitter = Splitter(self.chunker)
+        # where the stream starts in its file (a chunk end of the file's stored version:
+        # incremental.py); offsets below are the file's
+        self.origin = origin
+        self.splitter.start = self.splitter.avail = origin
         self.src = src
         # blocks not yet fully cut: (offset, block, zero-page prefix counts or None)
         self.window: deque[tuple[int, memoryview, np.ndarray | None]] = deque()
@@ -588,8 +599,8 @@ class _StreamIngest:
         self.writes: deque[tuple[int, Future[None] | None]] = deque()  # (end offset, write)
         self.held: deque[tuple[int, bytearray]] = deque()  # (end offset, pooled buffer)
         self.free = writer._buffers  # shared by the writer's streams
-        self.written_end = 0
-        self.chunk_start = 0
+        self.written_end = origin
+        self.chunk_start = origin
         self.ids: list[bytes] = []
         self.ends = array("q")  # where each chunk ends (layouts.py)
         self.total = 0
@@ -597,7 +608,7 @@ class _StreamIngest:
     def run(self) -> tuple[list[bytes], int]:
         """Ingest the whole stream; return (chunk ids, total bytes)."""
         chunker = self.chunker
-        offset, tail = 0, b""
+        offset, tail = self.origin, b""
         for block in self._blocks():
             self.scans.append((offset, block, self.w._submit(_scan, chunker, block, offset, tail)))
             offset += len(block)
@@ -609,8 +620,9 @@ class _StreamIngest:
             self._take_scan()
         self._cut(self.splitter.finish())
         self._drain(0)
-        if self.total != offset:
-            raise AssertionError(f"ingest lost bytes: {self.total} != {offset}")
+        if self.total != offset - self.origin:
+            raise AssertionError(f"ingest lost bytes: {self.total} != {offset - self.origin}")
+        self.w.stats.read_bytes += self.total
         for _end, fut in self.writes:
             if fut is not None:
                 fut.result()
@@ -625,7 +637,7 @@ class _StreamIngest:
             else:
                 yield from _reblock(self.src)  # type: ignore[arg-type]
             return
-        end = 0
+        end = self.origin
         while True:
             self._recycle()
             buf = self.free.pop() if self.free else bytearray(BLOCK)

@@ -140,10 +140,19 @@ async def test_a_cell_sent_during_a_snapshot_finds_its_gpu_memory(notebook):
     assert await nb.value("digest(t)") == d_t
 
 
-async def test_a_second_snapshot_stores_only_the_changed_gpu_memory(notebook):
+def _stored_segments(jp_serverapp, commit_id: str) -> bytes:
+    repo = jp_serverapp.web_app.settings["infinijup_manager"].repo()
+    tree = repo.get_tree(repo.get_commit(commit_id).tree)
+    return repo.read_blob(next(e.id for e in tree if e.name == "gpu-segments"))
+
+
+async def test_a_second_snapshot_stores_only_the_changed_gpu_memory(notebook, jp_serverapp):
+    from infinijup.gpu import arena
+
     nb = notebook
     await nb.execute(TENSORS, timeout=120)
     d_first = await nb.value("digest(t)")
+    d_ballast = await nb.value("digest(ballast)")
     first = await nb.snapshot(message="first")
     await nb.execute("t.add_(1)")  # 64 MiB of the 1.1 GiB changed
     d_t = await nb.value("digest(t)")
@@ -153,18 +162,25 @@ async def test_a_second_snapshot_stores_only_the_changed_gpu_memory(notebook):
     live = first["stats"]["gpu_segments"]["bytes"]
     copied = second["stats"]["gpu_segments"]["bytes"]
     assert 64 * 2**20 <= copied < 0.2 * live, (first["stats"], second["stats"])
-    # ...and stored
+    # ...stored, and read: the store read the arena file where the kernel said it changed
     assert second["stats"]["stored_bytes"] < 0.2 * live, second["stats"]
+    assert first["stats"]["read_bytes"] >= live, first["stats"]
+    assert second["stats"]["read_bytes"] < 0.5 * live, second["stats"]
+    # what the store holds is the file byte for byte (read before the next snapshot
+    # rewrites it), whatever the restore below takes its images from
+    with open(arena.segments_path(nb.kernel_id), "rb") as f:
+        assert _stored_segments(jp_serverapp, second["commit"]) == f.read()
     await nb.execute("t.zero_(); ballast.zero_()")
     await nb.restore(second["commit"])
     assert await nb.value("digest(t)") == d_t
-    assert await nb.value("float(ballast.abs().sum()) > 0")  # in the file, not copied again
+    assert await nb.value("digest(ballast)") == d_ballast  # in the file, not copied again
     # After a restore of the first snapshot the kernel's arena file still holds the second's
     # bytes, and the restored process remembers the first's hashes: they must not be trusted.
     await nb.restore(first["commit"])
     assert await nb.value("digest(t)") == d_first
     third = await nb.snapshot(message="third, unchanged since the restore")
     assert third["stats"]["gpu_segments"]["bytes"] >= 0.9 * live, third["stats"]
+    assert third["stats"]["read_bytes"] >= live, third["stats"]  # and read whole
     await nb.execute("t.zero_()")
     await nb.restore(third["commit"])
     assert await nb.value("digest(t)") == d_first
