@@ -78,7 +78,8 @@ class SnapshotEngine:
     """Snapshot and restore kernel process trees, given a store and a helper client."""
 
     def __init__(self, repo, helper, hot_tier_bytes: int = 0, lazy_restore: bool = False,
-                 ingest_nice: int = 0, pages_from_store_min_bytes: int = 1 << 30) -> None:
+                 ingest_nice: int = 0, pages_from_store_min_bytes: int = 1 << 30,
+                 stored_versions: StoredVersions | None = None) -> None:
         self.repo = repo
         self.helper = helper
         self.hot_tier_bytes = hot_tier_bytes  # 0: no hot tier (see hot_tier.py)
@@ -89,7 +90,8 @@ class SnapshotEngine:
         self._lazy_here: bool | None = None  # the helper takes our restores lazily
         self.pages_from_store_min_bytes = pages_from_store_min_bytes
         self._page_sources: dict[str, StorePagesProcess] = {}  # images dir -> its pages' server
-        self.stored_versions = StoredVersions()  # the extra files' last blobs (extra_files.py)
+        # the extra files' last blobs (extra_files.py): the server's, kept across engines
+        self.stored_versions = stored_versions if stored_versions is not None else StoredVersions()
 
     def work_dir(self) -> Path:
         if self._work_dir is None:
@@ -268,7 +270,7 @@ class SnapshotEngine:
                 commit = w.commit({**top.entries, **extra}, thread=thread, message=message,
                                   metadata=meta, parents=parents, expected_tip=expected_tip)
             if dumped.changes is not None and extra:
-                self.stored_versions.remember(dumped.changes.token,
+                self.stored_versions.remember(self.repo.config.id, dumped.changes.token,
                                               {name: f.blob for name, f in extra.items()})
             return commit
         except InfinijupError:
@@ -297,7 +299,7 @@ class SnapshotEngine:
                 old = {}
         out = {}
         for name, fd in dumped.extra.items():
-            stored = self.stored_versions.base(dumped.changes, name)
+            stored = self.stored_versions.base(self.repo.config.id, dumped.changes, name)
             if stored is not None:  # read only where the kernel says the file changed
                 blob = writer.add_changed_file(fd, base=stored, changed=dumped.changes.changed)
                 out[name] = File(blob, 0o600)

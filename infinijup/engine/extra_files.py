@@ -173,27 +173,27 @@ def _is_token(value: object) -> bool:
 
 
 class StoredVersions:
-    """The blobs the extra files of the last few snapshots were stored as, by the kernel's
-    token: a snapshot after a small change stores its file from the changes only
+    """The blobs the extra files of the last few snapshots were stored as, by store and the
+    kernel's token: a snapshot after a small change stores its file from the changes only
     (store/incremental.py: 22-28 s for a 30 GB file read whole). Only what this server
     stored, in memory: after a restart the next snapshot reads its file whole."""
 
     KEEP = 32
 
     def __init__(self) -> None:
-        self._blobs: OrderedDict[str, dict[str, Blob]] = OrderedDict()
+        self._blobs: OrderedDict[tuple[str, str], dict[str, Blob]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def base(self, changes: FileChanges | None, name: str) -> Blob | None:
+    def base(self, store: str, changes: FileChanges | None, name: str) -> Blob | None:
         """The stored version of ``name`` that ``changes`` are relative to, if known."""
         if changes is None or changes.since is None:
             return None
         with self._lock:
-            return self._blobs.get(changes.since, {}).get(name)
+            return self._blobs.get((store, changes.since), {}).get(name)
 
-    def remember(self, token: str, blobs: dict[str, Blob]) -> None:
+    def remember(self, store: str, token: str, blobs: dict[str, Blob]) -> None:
         with self._lock:
-            self._blobs[token] = dict(blobs)
-            self._blobs.move_to_end(token)
+            self._blobs[(store, token)] = dict(blobs)
+            self._blobs.move_to_end((store, token))
             while len(self._blobs) > self.KEEP:
                 self._blobs.popitem(last=False)

@@ -125,7 +125,7 @@ def offload() -> dict | None:
         return None
     t0 = time.perf_counter()
     hashes, before, changed_s = None, _state["hashes"], None
-    since, holes_before = _state["file_token"], _state["holes"]
+    since, holes_before, hashed_file = _state["file_token"], _state["holes"], _state["hashed_file"]
     _forget_file()  # until this snapshot's are in the file
     try:
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
@@ -138,7 +138,7 @@ def offload() -> dict | None:
             if short is not None:  # the driver path takes it: never a SIGBUS in the kernel
                 return {"fallback": short}
             identity = _identity(lock)
-            if identity != _state["hashed_file"]:
+            if identity != hashed_file:
                 before = None  # another file: nothing in it can be skipped
             copy, hashes, changed_s = _changed(vmm, before)
             vmm.set_copy(copy if before is not None else None)

@@ -25,6 +25,7 @@ from traitlets import observe
 
 from .. import config
 from ..engine import SnapshotEngine
+from ..engine.extra_files import StoredVersions
 from ..engine.kernel_channel import answers_between_cells, run_agent, watch_activity_anew
 from ..engine.lifecycle import HIBERNATED, RELEASED, RUNNING, Lifecycle
 from ..errors import BadRequest, Conflict, InfinijupError, NotFound, PreflightRefused
@@ -81,6 +82,7 @@ class SnapshotManager(ManagerSettings):
         self.undo_redo = UndoRedo(self)  # undo.py
         self.retention = Retention(self)  # retention.py: automatic snapshots in a window
         self.remote_tier = RemoteTier(self)  # background push and eviction (remote_tier.py)
+        self.stored_versions = StoredVersions()  # the arena files' last blobs (extra_files.py)
         self.remote_tier.start()
 
     # --- what the web layer calls -------------------------------------------------------------
@@ -228,7 +230,8 @@ class SnapshotManager(ManagerSettings):
                               hot_tier_bytes=self.hot_tier_bytes,
                               lazy_restore=self.lazy_restore,
                               pages_from_store_min_bytes=self.pages_from_store_min_bytes,
-                              ingest_nice=self.autosnapshot_ingest_nice)
+                              ingest_nice=self.autosnapshot_ingest_nice,
+                              stored_versions=self.stored_versions)
 
     def helper_has(self, feature: str) -> bool:
         """Whether the helper does ``feature`` (its hello's features, asked once per server);

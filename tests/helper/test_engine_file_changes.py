@@ -5,7 +5,7 @@ CRIU and store, a real kernel, a sparse file standing in for the arena's segment
 import os
 
 from infinijup.engine.engine import SnapshotEngine
-from infinijup.engine.extra_files import FileChanges
+from infinijup.engine.extra_files import FileChanges, StoredVersions
 from infinijup.store import Repository
 
 MiB = 1 << 20
@@ -25,9 +25,10 @@ def test_the_next_snapshot_reads_only_what_changed(client, kernel, tmp_path):
         f.write(os.urandom(40 * MiB))
     repo = Repository.init(tmp_path / "store")
     try:
-        engine = SnapshotEngine(repo, client)
+        versions = StoredVersions()  # the server's: it makes an engine for each operation
 
         def snapshot(changes: FileChanges, parents: list[str]):  # noqa: ANN202
+            engine = SnapshotEngine(repo, client, stored_versions=versions)
             return engine.snapshot(kernel.pid, thread="t", message="m", metadata={},
                                    parents=parents, expected_tip=parents[0] if parents else None,
                                    extra_files={"gpu-segments": str(seg)}, file_changes=changes)

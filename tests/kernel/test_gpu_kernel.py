@@ -164,8 +164,10 @@ async def test_a_second_snapshot_stores_only_the_changed_gpu_memory(notebook, jp
     assert 64 * 2**20 <= copied < 0.2 * live, (first["stats"], second["stats"])
     # ...stored, and read: the store read the arena file where the kernel said it changed
     assert second["stats"]["stored_bytes"] < 0.2 * live, second["stats"]
-    assert first["stats"]["read_bytes"] >= live, first["stats"]
-    assert second["stats"]["read_bytes"] < 0.5 * live, second["stats"]
+    # (read_bytes counts the CRIU images too, read whole each time)
+    assert first["stats"]["read_bytes"] == first["stats"]["image_bytes"], first["stats"]
+    unread = second["stats"]["image_bytes"] - second["stats"]["read_bytes"]
+    assert unread > 0.8 * live, second["stats"]
     # what the store holds is the file byte for byte (read before the next snapshot
     # rewrites it), whatever the restore below takes its images from
     with open(arena.segments_path(nb.kernel_id), "rb") as f:
@@ -180,7 +182,7 @@ async def test_a_second_snapshot_stores_only_the_changed_gpu_memory(notebook, jp
     assert await nb.value("digest(t)") == d_first
     third = await nb.snapshot(message="third, unchanged since the restore")
     assert third["stats"]["gpu_segments"]["bytes"] >= 0.9 * live, third["stats"]
-    assert third["stats"]["read_bytes"] >= live, third["stats"]  # and read whole
+    assert third["stats"]["read_bytes"] == third["stats"]["image_bytes"], third["stats"]
     await nb.execute("t.zero_()")
     await nb.restore(third["commit"])
     assert await nb.value("digest(t)") == d_first
