@@ -123,15 +123,16 @@ def restore_parts(phases: dict) -> str:
 
 
 def row_for(gpus: int, shape: str, batch: int, context: int, changes: int = 1,
-            restores: int = 1, resume: bool = True) -> dict:
+            restores: int = 1, resume: bool = True, hot_tier_gb: float = 400) -> dict:
     hidden, inter, layers, heads, kv = SHAPES[shape]
-    row: dict = {"run": f"{shape} on {gpus} GPU" + ("s" if gpus > 1 else "")}
+    row: dict = {"run": f"{shape} on {gpus} GPU" + ("s" if gpus > 1 else "") +
+                 ("" if hot_tier_gb else ", no hot tier")}
     daemon = start_helper()
     base = make_base()
     store = tempfile.mkdtemp(prefix="ijbench-store-", dir="/var/tmp")
     server = start_server(base, daemon.socket_path, store,
                           {"busy_timeout": 900.0, "answer_timeout": 900.0,
-                           "hot_tier_bytes": 400 * GB})
+                           "hot_tier_bytes": int(hot_tier_gb * GB)})
     try:
         kernel_id = server.open_session("split.ipynb")
         kernel = server.kernel_client(kernel_id)
@@ -279,6 +280,9 @@ def main() -> None:
                     help="hot restores per row (default: --repeat)")
     ap.add_argument("--no-resume", dest="resume", action="store_false",
                     help="leave out the resume into a new kernel")
+    ap.add_argument("--hot-tier-gb", type=float, nargs="+", default=[400],
+                    help="the server's hot tier, a row for each (0: none; the restores then "
+                         "come from the store)")
     args = ap.parse_args()
     changes = args.repeat if args.changes is None else args.changes
     restores = args.repeat if args.restores is None else args.restores
@@ -286,10 +290,11 @@ def main() -> None:
         ap.error("--repeat and --restores: at least 1; --changes: at least 0")
     rows = []
     for gpus in args.gpus:
-        row = row_for(gpus, args.shape, args.batch, args.context, changes, restores,
-                      args.resume)
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        for hot in args.hot_tier_gb:
+            row = row_for(gpus, args.shape, args.batch, args.context, changes, restores,
+                          args.resume, hot)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
     smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip().replace("\n", "; ")
     print(f"\nGPUs: {smi}; {time.strftime('%Y-%m-%d')}; one run per row, {changes} "
