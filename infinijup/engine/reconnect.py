@@ -37,12 +37,14 @@ def connections_to(paths: list[str], old: dict[str, set[int]] | None = None
     return peers
 
 
-async def wait_reconnected(before: dict[str, set[int]], timeout: float) -> float:
+async def wait_reconnected(before: dict[str, set[int]], timeout: float,
+                           also_gone: dict[str, set[int]] | None = None) -> float:
     """Wait until this process has as many connections to each path as ``before`` had, none
-    of them to the sockets ``before`` saw."""
+    of them to the sockets ``before`` (or ``also_gone``) saw."""
     t0 = time.monotonic()
+    gone = {p: set(n) | set((also_gone or {}).get(p, ())) for p, n in before.items()}
     while time.monotonic() - t0 < timeout:
-        now = await asyncio.to_thread(connections_to, list(before), before)
+        now = await asyncio.to_thread(connections_to, list(before), gone)
         if all(len(now[p]) >= len(n) for p, n in before.items()):
             return time.monotonic() - t0
         await asyncio.sleep(0.02)

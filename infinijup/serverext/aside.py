@@ -115,12 +115,16 @@ async def keep_until_resident(m, run, kept: SetAside, turn) -> None:  # noqa: AN
             m.log.warning("infinijup: %s", exc.message)
             m.events.failed(Operation("restore", kernel_id, run.op.path), exc)
             return
-        connected = await asyncio.to_thread(connections_to, list(run.connected or {}))
+        # our connections to the restored kernel, if it still runs (none where it ended)
+        restored_side = await asyncio.to_thread(connections_to, list(run.connected or {}))
         await prov.kill()  # (the helper ended it already where its memory failed)
         move_back(kept.moved)
         prov.attach(kept.process)
         taken_back = True
-        await wait_reconnected(connected, m.answer_timeout)  # before the failure is said
+        # before the failure is said: as many connections as the server had before the
+        # restore, new ones (a notebook's next cell must find its websocket's sockets there;
+        # counting those to a restored kernel that had ended already waited for nothing)
+        await wait_reconnected(run.connected or {}, m.answer_timeout, also_gone=restored_side)
         km.session.key = run.session_key
         m.heads.set(kernel_id, run.head_before, prov)
         exc = RestoreFailed(f"restore failed: the kernel's memory could not be brought back "
