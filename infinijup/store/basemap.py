@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import zstandard
 
-from . import delta
+from . import delta, layouts
 from .chunking import PAGE
 from .errors import StoreError
 from .index import Location
@@ -54,7 +54,8 @@ class BaseMap:
     looks a chunk up twice) and the counters are approximate.
     """
 
-    def __init__(self, repo: RepoView, reader: ObjectReader, ids: list[bytes]) -> None:
+    def __init__(self, repo: RepoView, reader: ObjectReader, ids: list[bytes],
+                 ends: np.ndarray | None = None) -> None:
         self.repo = repo
         self.reader = reader
         self.ids = ids
@@ -65,7 +66,8 @@ class BaseMap:
         self.anchors = anchors
         self._locs: dict[bytes, Location | None] = {}
         self._headers: dict[bytes, delta.Delta | None] = {}
-        self._ends_cache: np.ndarray | bool | None = None
+        # where each chunk ends: known from the blob's layout, else looked up when needed
+        self._ends_cache: np.ndarray | bool | None = ends
         self._ends_lock = threading.Lock()
         self.tried = 0
         self.hits = 0
@@ -75,10 +77,14 @@ class BaseMap:
     def build(cls, repo: RepoView, reader: ObjectReader, blob_id: str) -> BaseMap | None:
         """The map of the stored file ``blob_id``, or None if it cannot be read."""
         try:
-            _size, ids = repo.get_blob_chunks(blob_id)
+            size, ids = repo.get_blob_chunks(blob_id)
         except StoreError:
             return None  # a damaged parent: store this file without deltas
-        return cls(repo, reader, ids) if ids else None
+        if not ids:
+            return None
+        known = None if getattr(repo, "key", None) is not None else layouts.starts(
+            repo.index.layout(bytes.fromhex(blob_id)), len(ids), size)
+        return cls(repo, reader, ids, None if known is None else known[0] + known[1])
 
     def worth_trying(self) -> bool:
         """Whether to try a delta for the next new chunk (see TRIAL)."""

@@ -133,7 +133,7 @@ def ingest_changed(writer: Writer, fd: int, base: Blob, changed: Iterable[tuple[
     natural = base_ends[:-1]  # the stored version's last end is where its file ended
     # where a window may end: any cut of the stored version short of the file's (new) end
     cuts = base_ends if size == base.size else base_ends[base_ends < size]
-    bmap = writer._base_map(base)
+    bmap = writer._base_map(base, known)
     ids: list[bytes] = []
     ends = array("q")
     pos, k = 0, 0  # pos: an end of the stored version, all before it done

@@ -283,11 +283,15 @@ class Writer:
         ids, total = ingest.run()
         return self._blob(ids, ingest.ends, total)
 
-    def _base_map(self, base: Blob | None) -> BaseMap | None:
+    def _base_map(self, base: Blob | None, known: tuple[list[bytes], np.ndarray] | None = None
+                  ) -> BaseMap | None:
+        """The parent's map for page deltas (``known``: its chunk ids and ends, if read)."""
         if base is None or base.size < MIN_DELTA_FILE or not self.repo.config.page_deltas:
             return None
         if self._reader is None:
             self._reader = ObjectReader(self.repo)
+        if known is not None:
+            return BaseMap(self.repo, self._reader, *known)
         return BaseMap.build(self.repo, self._reader, base.id)
 
     def _blob(self, ids: list[bytes], ends: array, total: int) -> Blob:
