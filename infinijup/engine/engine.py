@@ -322,8 +322,8 @@ class SnapshotEngine:
             return None
         try:
             extra = sum(data_bytes(fd) for fd in dumped.extra.values())
-            if _allocated(dumped.images) + extra > self.hot_tier().budget:
-                return None
+            if not self.hot_tier().room_for(_allocated(dumped.images) + extra, writing=extra):
+                return None  # the tier would not keep it: no copy to wait for
             return HotCopy(dumped.extra, self._new_dir("hotcopy"), nice)
         except (OSError, InfinijupError):
             return None

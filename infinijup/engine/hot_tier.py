@@ -160,6 +160,18 @@ class HotTier:
         those dropped."""
         return hot_dir.prune(self.root, keep)
 
+    def room_for(self, size: int, writing: int = 0) -> bool:
+        """Whether an entry of ``size`` bytes, ``writing`` of them not yet on the filesystem
+        (a copy about to be made for it), would stay once kept: within the budget, and with
+        room left for the next dump of its size when every older entry has given way
+        (``keep`` evicts down to that). A GPU kernel's 30 GB copy on a 64 GiB disk that also
+        holds the store would not: copying it only held the snapshot's answer 13-18 s."""
+        if not self.enabled or size > self.budget:
+            return False
+        where = self.root if self.root.is_dir() else self.root.parent
+        held = sum(e.bytes for e in self.entries()) if self.root.is_dir() else 0
+        return _free(where) - writing + held >= size
+
     def make_room(self) -> None:
         """Before a dump: free the filesystem for an image as large as the newest kept one."""
         if not self.root.is_dir():

@@ -102,3 +102,42 @@ def test_a_failed_store_stops_the_copy_and_leaves_nothing(client, kernel, tmp_pa
         assert kernel.evaluate(x="1 + 1")["x"] == "2"  # the kernel was left running
     finally:
         repo.close()
+
+
+def test_no_copy_where_the_tier_would_not_keep_it(client, kernel, tmp_path, monkeypatch):
+    """The tier's filesystem could not hold the copy and the next dump: no copy is made (nor
+    waited for), the snapshot is stored, and it stays out of the tier."""
+    from infinijup.engine import engine as engine_module
+    from infinijup.engine import hot_tier
+
+    seg = tmp_path / "segments"
+    content = _segments(seg)
+    started, copies = [], []
+    real = hot_tier.HotTier.room_for
+
+    def spy(self, size, writing=0):  # noqa: ANN001, ANN202
+        started.append((size, writing))
+        return real(self, size, writing)
+
+    real_copy = engine_module.HotCopy
+
+    def copy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        copies.append(args)
+        return real_copy(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "HotCopy", copy)
+    monkeypatch.setattr(hot_tier.HotTier, "room_for", spy)
+    monkeypatch.setattr(hot_tier, "_free", lambda path: 4 * MiB)
+    repo = Repository.init(tmp_path / "store")
+    try:
+        engine = SnapshotEngine(repo, client, hot_tier_bytes=1 << 30)
+        result = engine.snapshot(kernel.pid, thread="t", message="m", metadata={}, parents=[],
+                                 expected_tip=None, extra_files={"gpu-segments": str(seg)})
+        assert started and started[0][1] >= 3 * MiB  # asked, with the copy's bytes
+        assert copies == []  # and no copy made
+        assert not result.hot
+        stored = next(e for e in repo.get_tree(result.commit.tree) if e.name == "gpu-segments")
+        assert repo.read_blob(stored.id) == content
+        assert _leftovers(engine) == [] and _copying_threads() == []
+    finally:
+        repo.close()

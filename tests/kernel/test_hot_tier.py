@@ -145,6 +145,22 @@ def test_the_next_dump_gets_room(repo, tmp_path, monkeypatch):
     assert [e.commit for e in hot.entries()] == [commit.id]
 
 
+def test_room_for_an_entry_counts_what_older_entries_would_give_back(repo, tmp_path,
+                                                                     monkeypatch):
+    hot = HotTier(tmp_path / "hot", 64 * MiB)
+    assert hot.room_for(MiB)  # no tier directory yet: the work dir's filesystem
+    images, commit, tree = committed(repo, tmp_path, 1)
+    assert hot.keep(images, commit, tree)
+    held = sum(e.bytes for e in hot.entries())
+    monkeypatch.setattr(hot_tier_module, "_free", lambda path: 10 * MiB)
+    assert hot.room_for(10 * MiB + held)  # the older entry would give way
+    assert not hot.room_for(10 * MiB + held + 1)
+    assert hot.room_for(6 * MiB, writing=4 * MiB)  # a copy still to write takes free space
+    assert not hot.room_for(8 * MiB + held, writing=4 * MiB)
+    assert not hot.room_for(65 * MiB)  # past the budget
+    assert not HotTier(tmp_path / "off", 0).room_for(1)
+
+
 def test_half_kept_entries_are_swept(repo, tmp_path):
     hot = HotTier(tmp_path / "hot", 64 * MiB)
     hot.root.mkdir()
