@@ -26,6 +26,7 @@ from ..store import checkout as store_checkout
 from ..store.errors import RefConflict
 from ..store.faults import holdpoint
 from ..store.objects import Blob, File
+from ..store.remote_only import remote_only
 from ..store.thinned import CommitThinned
 from ..store.writer import entries_from_dir
 from . import criu_hints
@@ -271,6 +272,7 @@ class SnapshotEngine:
                                   metadata=meta, parents=parents, expected_tip=expected_tip)
             if dumped.changes is not None and extra:
                 self.stored_versions.remember(self.repo.config.id, dumped.changes.token,
+                                              commit.id,
                                               {name: f.blob for name, f in extra.items()})
             return commit
         except InfinijupError:
@@ -300,8 +302,12 @@ class SnapshotEngine:
         out = {}
         for name, fd in dumped.extra.items():
             stored = self.stored_versions.base(self.repo.config.id, dumped.changes, name)
-            if stored is not None:  # read only where the kernel says the file changed
-                blob = writer.add_changed_file(fd, base=stored, changed=dumped.changes.changed)
+            # (not where that commit's chunks left for a remote since: the new blob would
+            # name chunks this store no longer has; the writer's shared lock keeps them now)
+            if stored is not None and stored[0] not in remote_only(self.repo):
+                # read only where the kernel says the file changed
+                blob = writer.add_changed_file(fd, base=stored[1],
+                                               changed=dumped.changes.changed)
                 out[name] = File(blob, 0o600)
                 continue
             e = old.get(name)

@@ -174,26 +174,29 @@ def _is_token(value: object) -> bool:
 
 class StoredVersions:
     """The blobs the extra files of the last few snapshots were stored as, by store and the
-    kernel's token: a snapshot after a small change stores its file from the changes only
-    (store/incremental.py: 22-28 s for a 30 GB file read whole). Only what this server
-    stored, in memory: after a restart the next snapshot reads its file whole."""
+    kernel's token, with their commit: a snapshot after a small change stores its file from
+    the changes only (store/incremental.py: 22-28 s for a 30 GB file read whole). Only what
+    this server stored, in memory: after a restart the next snapshot reads its file whole."""
 
     KEEP = 32
 
     def __init__(self) -> None:
-        self._blobs: OrderedDict[tuple[str, str], dict[str, Blob]] = OrderedDict()
+        self._blobs: OrderedDict[tuple[str, str], tuple[str, dict[str, Blob]]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def base(self, store: str, changes: FileChanges | None, name: str) -> Blob | None:
-        """The stored version of ``name`` that ``changes`` are relative to, if known."""
+    def base(self, store: str, changes: FileChanges | None, name: str
+             ) -> tuple[str, Blob] | None:
+        """The stored version of ``name`` that ``changes`` are relative to, if known, with
+        the commit that holds it."""
         if changes is None or changes.since is None:
             return None
         with self._lock:
-            return self._blobs.get((store, changes.since), {}).get(name)
+            commit, blobs = self._blobs.get((store, changes.since), ("", {}))
+        return (commit, blobs[name]) if name in blobs else None
 
-    def remember(self, store: str, token: str, blobs: dict[str, Blob]) -> None:
+    def remember(self, store: str, token: str, commit: str, blobs: dict[str, Blob]) -> None:
         with self._lock:
-            self._blobs[(store, token)] = dict(blobs)
+            self._blobs[(store, token)] = (commit, dict(blobs))
             self._blobs.move_to_end((store, token))
             while len(self._blobs) > self.KEEP:
                 self._blobs.popitem(last=False)

@@ -70,13 +70,14 @@ def test_what_a_kernel_says_of_its_file_is_checked():
 def test_stored_versions_are_found_by_store_and_token_and_the_oldest_forgotten():
     versions = StoredVersions()
     blob = Blob("c" * 64, 10)
-    versions.remember("s1", OTHER, {"gpu-segments": blob})
-    assert versions.base("s1", FileChanges(TOKEN, OTHER, ()), "gpu-segments") == blob
+    versions.remember("s1", OTHER, "d" * 64, {"gpu-segments": blob})
+    assert versions.base("s1", FileChanges(TOKEN, OTHER, ()), "gpu-segments") == ("d" * 64, blob)
     assert versions.base("s2", FileChanges(TOKEN, OTHER, ()), "gpu-segments") is None
     assert versions.base("s1", FileChanges(TOKEN, OTHER, ()), "other") is None
     assert versions.base("s1", FileChanges(TOKEN), "gpu-segments") is None
     assert versions.base("s1", None, "gpu-segments") is None
     for i in range(StoredVersions.KEEP):
-        versions.remember("s1", f"{i:032x}", {"gpu-segments": blob})
+        versions.remember("s1", f"{i:032x}", "e" * 64, {"gpu-segments": blob})
     assert versions.base("s1", FileChanges(TOKEN, OTHER, ()), "gpu-segments") is None
-    assert versions.base("s1", FileChanges(TOKEN, f"{1:032x}", ()), "gpu-segments") == blob
+    assert versions.base("s1", FileChanges(TOKEN, f"{1:032x}", ()), "gpu-segments") == (
+        "e" * 64, blob)

@@ -7,9 +7,10 @@ import os
 from infinijup.engine.engine import SnapshotEngine
 from infinijup.engine.extra_files import FileChanges, StoredVersions
 from infinijup.store import Repository
+from infinijup.store.remote_only import mark_remote_only
 
 MiB = 1 << 20
-T1, T2, T3 = "1" * 32, "2" * 32, "3" * 32
+T1, T2, T3, T4 = "1" * 32, "2" * 32, "3" * 32, "4" * 32
 
 
 def _stored(repo, result) -> bytes:
@@ -53,6 +54,15 @@ def test_the_next_snapshot_reads_only_what_changed(client, kernel, tmp_path):
         unknown = snapshot(FileChanges(T3, "9" * 32, ((30 * MiB, MiB),)), [second.commit.id])
         assert _stored(repo, unknown) == seg.read_bytes()
         assert unknown.read_bytes >= 64 * MiB  # a snapshot this engine did not store: whole
+
+        # that snapshot's chunks left for a remote (the record says so): read whole again
+        mark_remote_only(repo, {unknown.commit.id: "s3://bucket/store"})
+        with open(seg, "r+b") as f:
+            f.seek(50 * MiB)
+            f.write(os.urandom(MiB))
+        evicted = snapshot(FileChanges(T4, T3, ((50 * MiB, MiB),)), [unknown.commit.id])
+        assert _stored(repo, evicted) == seg.read_bytes()
+        assert evicted.read_bytes >= 64 * MiB
         assert kernel.evaluate(x="x")["x"] == "42"
     finally:
         repo.close()
