@@ -18,6 +18,7 @@ import json
 import os
 import signal
 import threading
+import time
 
 import psutil
 import pytest
@@ -49,9 +50,23 @@ async def prepare(nb, seed: int) -> tuple[str, dict]:
     return digest, base
 
 
+async def _memory_back(nb) -> None:
+    """Until a lazily restored kernel's memory is all back: its page files stay in the
+    helper's staging dir while CRIU's daemon serves them (infinijup_helper/lazy_pages.py)."""
+    deadline = time.monotonic() + 120  # hang guard only
+    while True:
+        r = await nb.fetch("infinijup", "status", params={"kernel_id": nb.kernel_id})
+        pages = json.loads(r.body).get("pages")
+        if not pages or pages.get("state") != "streaming":
+            return
+        assert time.monotonic() < deadline, pages
+        await asyncio.sleep(0.1)
+
+
 async def next_snapshot_and_restore_work(nb, rhelper, digest: str) -> None:
     """A helper serving again, the next snapshot and a restore of it work."""
     rhelper.ensure_running()
+    await _memory_back(nb)  # (a restore by the new helper may still be streaming)
     assert rhelper.staging_entries() == []  # a new helper clears what a dead one left
     await nb.execute("y = 'after'")
     snap = await nb.snapshot(message="after the fault")
