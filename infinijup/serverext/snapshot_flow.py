@@ -107,6 +107,7 @@ class SnapshotRun:
         self.head = m.heads.get(km.kernel_id)
         self.aside = aside  # the ref for a snapshot of an unchanged kernel (see snapshot())
         self.kept_aside = False
+        self.skip_unchanged = False  # see snapshot()
         self.unchanged = False
         self.file_changes: FileChanges | None = None  # what the kernel said of its arena file
         self.auto = False

@@ -82,9 +82,7 @@ class BaseMap:
             return None  # a damaged parent: store this file without deltas
         if not ids:
             return None
-        known = None if getattr(repo, "key", None) is not None else layouts.starts(
-            repo.index.layout(bytes.fromhex(blob_id)), len(ids), size)
-        return cls(repo, reader, ids, None if known is None else known[0] + known[1])
+        return cls(repo, reader, ids, layouts.known_ends(repo, blob_id, len(ids), size))
 
     def worth_trying(self) -> bool:
         """Whether to try a delta for the next new chunk (see TRIAL)."""

@@ -88,11 +88,9 @@ def stored_ends(writer: Writer, base: Blob) -> tuple[list[bytes], np.ndarray] | 
         return None
     if not ids or size != base.size:
         return None
-    key = getattr(repo, "key", None)
-    known = None if key is not None else layouts.starts(
-        repo.index.layout(bytes.fromhex(base.id)), len(ids), size)
+    known = layouts.known_ends(repo, base.id, len(ids), size)
     if known is not None:
-        return ids, known[0] + known[1]
+        return ids, known
     found = repo.index.lookup_many(ids)
     if any(c not in found for c in ids):
         return None

@@ -45,3 +45,12 @@ def starts(data: bytes | None, count: int, size: int) -> tuple[np.ndarray, np.nd
     if count == 0 or int(ends[-1]) != size:
         return None
     return ends - lengths, lengths
+
+
+def known_ends(repo, blob_id: str, count: int, size: int) -> np.ndarray | None:  # noqa: ANN001
+    """Where each of the blob's ``count`` chunks ends, from its recorded layout; None without
+    one (an encrypted store records none)."""
+    if getattr(repo, "key", None) is not None:
+        return None
+    known = starts(repo.index.layout(bytes.fromhex(blob_id)), count, size)
+    return None if known is None else known[0] + known[1]
