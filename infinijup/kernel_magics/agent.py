@@ -163,7 +163,7 @@ def _clean_release(report: object) -> dict:
         return {}
     out: dict = {}
     for key, value in report.items():
-        if key in ("reserved_before", "reserved_after", "allocated"):
+        if key in ("reserved_before", "reserved_after", "allocated", "local_memory"):
             if type(value) is int and value >= 0:
                 out[key] = value
         elif key in ("torch", "cupy") and isinstance(value, dict):

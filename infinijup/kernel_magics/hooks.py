@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from . import engines, gpu_sync, gpu_vmm, sidecars, unsavable
+from . import engines, gpu_context, gpu_sync, gpu_vmm, sidecars, unsavable
 
 QuiesceHook = Callable[[], object]
 ResumeHook = Callable[[bool], object]
@@ -82,6 +82,11 @@ def run_quiesce() -> dict:
         segments = {"fallback": f"{type(exc).__name__}: {exc}"}
     if segments:
         info["gpu_segments"] = segments
+    # Last of the GPU steps: the contexts' local memory (stack space), which no launch will use
+    # until the resume sets it back (gpu_context.py)
+    trimmed = gpu_context.trim()
+    if trimmed.get("freed"):
+        info.setdefault("gpu_release", {})["local_memory"] = trimmed["freed"]
     try:
         running = sidecars.describe()  # they are in the snapshot with the kernel
     except Exception:
@@ -96,7 +101,7 @@ def run_resume(restored: bool, segments: str | None = None) -> dict:
     """Bring the GPU segments back (from ``segments``, a restore's copy, or the arena file),
     then run every resume hook."""
     t0 = time.perf_counter()
-    errors = []
+    errors = gpu_context.restore()  # first: no launch of the copy back may find a stack of 0
     try:
         gpu_vmm.bring_back(restored, segments)
     except Exception as exc:

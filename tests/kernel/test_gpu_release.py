@@ -1,4 +1,5 @@
-"""The quiesce step that gives back what GPU libraries cache but do not use (gpu_sync.py).
+"""The quiesce steps that give back what GPU libraries cache but do not use (gpu_sync.py) and
+the CUDA contexts' stack memory (gpu_context.py).
 
 Without torch nothing happens and nothing is reported. The logic is tested here on a small
 stand-in for torch put into ``sys.modules`` (a unit test of the release function, for machines
@@ -69,12 +70,19 @@ def no_gpu_libraries(monkeypatch):
     monkeypatch.delenv(gpu_sync.KEEP_CACHE_ENV, raising=False)
 
 
+def _maps_libcuda() -> bool:
+    with open("/proc/self/maps") as f:
+        return "libcuda.so" in f.read()
+
+
 def test_without_torch_nothing_happens(no_gpu_libraries):
-    before = set(sys.modules)
+    before, had_libcuda = set(sys.modules), _maps_libcuda()
     assert gpu_sync.release_cached_memory() == {}
     info = hooks.run_quiesce()
     assert "gpu_release" not in info
     assert set(sys.modules) == before  # nothing imported (no torch, no CUDA)
+    assert _maps_libcuda() == had_libcuda  # the contexts' trim (gpu_context.py) loads no driver
+    assert hooks.run_resume(False)["hook_errors"] == []
 
 
 def test_release_frees_the_cache_of_devices_in_use(no_gpu_libraries, monkeypatch):
@@ -209,3 +217,45 @@ async def test_a_snapshot_leaves_the_cache_out_and_keeps_the_tensors(notebook, h
     assert await nb.value("(w16.data_ptr() == ptr, float(w16[::4096].float().sum()) == chk)") \
         == (True, True)
 
+
+
+DEEP = """
+import ctypes, torch
+deep = torch.cuda.jiterator._create_jit_fn(
+    "template <typename T> T deep(T x) { volatile T a[1024]; "
+    "for (int i = 0; i < 1024; i++) a[i] = x * i; return a[((int)x) & 1023]; }")
+xd = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+def deep_ok():
+    return bool(torch.equal(deep(xd), xd * (xd.int() & 1023).float()))
+_cu = ctypes.CDLL("libcuda.so.1")
+def stack():
+    torch.cuda.synchronize()
+    v = ctypes.c_size_t()
+    assert _cu.cuCtxGetLimit(ctypes.byref(v), 0) == 0  # CU_LIMIT_STACK_SIZE
+    return v.value
+"""
+
+
+@needs_helper
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not HAS_GPU, reason="no NVIDIA GPU on this machine (runs on the GPU machine)")
+async def test_a_snapshot_leaves_the_contexts_stack_memory_out(notebook):
+    """A kernel needing 4 KiB of stack per thread makes the driver keep that for every thread
+    the card can run (1 GiB on an H100 or H200). The quiesce frees it before the driver's
+    checkpoint; the kernel finds its stack size as it was after the snapshot and the restore."""
+    nb = notebook
+    await nb.execute(DEEP, timeout=120)
+    assert await nb.value("deep_ok()")
+    grown = await nb.value("stack()")
+    assert grown >= 4096, grown  # the driver grew it at the launch
+    snap = await nb.snapshot(message="deep stack")
+    freed = snap["stats"]["gpu_release"]["local_memory"]
+    assert freed >= 256 * 2**20, snap["stats"]
+    meta = (await nb.history())["commits"][0]["metadata"]
+    assert meta["gpu_release"]["local_memory"] == freed
+    assert await nb.value("stack()") == grown  # set back by the resume
+    assert await nb.value("deep_ok()")
+    await nb.execute("xd.zero_(); torch.cuda.synchronize()")
+    await nb.restore(snap["commit"])
+    assert await nb.value("stack()") == grown
+    assert await nb.value("(float(xd[7]), deep_ok())") == (7.0, True)
