@@ -147,8 +147,8 @@ async def main_async(args) -> None:
     with helper_in_base() as (base, helper):
         runs = [("cpu", m * 2**20, f"CPU {m} MiB, {mode}, {tier}", None, mode, tier)
                 for m in args.cpu_mib for tier in args.tier for mode in args.restore] + \
-               [("gpu", int(g * 10**9), f"GPU {g} GB, {path}", path, "whole", "hot")
-                for path in args.paths for g in args.gpu_gb]
+               [("gpu", int(g * 10**9), f"GPU {g} GB, {path}, {tier}", path, "whole", tier)
+                for path in args.paths for g in args.gpu_gb for tier in args.tier]
         for n, (kind, nbytes, label, path, mode, tier) in enumerate(runs):
             # one server per release path and restore mode, the same helper for all
             server = ServerProcess(base / f"server-{n}", helper.socket_path,

@@ -25,12 +25,13 @@ from ..process import start_time
 from ..store import checkout as store_checkout
 from ..store.errors import RefConflict
 from ..store.faults import holdpoint
-from ..store.objects import Blob, File
+from ..store.objects import Blob, File, TreeEntry
 from ..store.remote_only import remote_only
 from ..store.thinned import CommitThinned
 from ..store.writer import entries_from_dir
 from . import criu_hints
 from .extra_files import FileChanges, HotCopy, StoredVersions, data_bytes, open_extra
+from .file_behind import FileBehind
 from .hot_tier import HotTier, _allocated
 from .ingest_progress import CountingWriter, IngestProgress, Progress
 from .niced import run_niced
@@ -365,7 +366,9 @@ class SnapshotEngine:
         """A commit's images in a fresh directory of the helper's work area: linked from the
         hot tier when it holds them, else checked out of the store (but for the page files,
         which the store serves as the restore needs them, where ``info["pages_may_stream"]``
-        and the helper restores lazily: store_pages.py). ``info`` gets ``source`` ("hot" or
+        and the helper restores lazily: store_pages.py; and but for the file named
+        ``info["behind"]``, checked out beside the directory by a thread as the restore goes
+        on: ``info["file_behind"]``, file_behind.py). ``info`` gets ``source`` ("hot" or
         "store"), ``checkout_s`` and ``pages_from_store``."""
         t0 = time.perf_counter()
         target = self._new_dir("restore")
@@ -374,8 +377,14 @@ class SnapshotEngine:
                 info.update(source="hot", checkout_s=time.perf_counter() - t0)
             return target
         try:
+            behind = self._entry_behind(commit_id, (info or {}).get("behind"))
             if (info or {}).get("pages_may_stream") and self._pages_from_store(commit_id):
                 self._checkout_serving_pages(commit_id, target)
+            elif behind is not None:
+                store_checkout.checkout_dir(self.repo, commit_id, target,
+                                            leave_out=frozenset({behind.name}))
+                info["file_behind"] = FileBehind(self.repo, behind,
+                                                 target.parent / f"{target.name}.{behind.name}")
             else:
                 store_checkout.checkout_dir(self.repo, commit_id, target)
         except CommitThinned:  # no damage: its images went with age (409, the reason)
@@ -402,6 +411,12 @@ class SnapshotEngine:
             info.update(source="store", checkout_s=time.perf_counter() - t0,
                         pages_from_store=str(target) in self._page_sources)
         return target
+
+    def _entry_behind(self, commit_id: str, name: str | None) -> TreeEntry | None:
+        if not name:
+            return None
+        tree = self.repo.get_tree(self.repo.get_commit(commit_id).tree)
+        return next((e for e in tree if e.name == name and e.kind == "file"), None)
 
     def _pages_from_store(self, commit_id: str) -> bool:
         """Restores leave large page files in the store where the helper restores lazily

@@ -132,8 +132,12 @@ class RemoteTier:
                 return engine.materialize(commit_id, source)
 
         pin = self.sync.pinned(commit_id) if self.sync is not None else contextlib.nullcontext()
-        with pin:
-            return await asyncio.to_thread(run)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(pin)
+            images = await asyncio.to_thread(run)
+            if source.get("file_behind") is not None:  # pinned until that file is written
+                source["file_behind"].hold(stack.pop_all())
+            return images
 
     def remote_only(self) -> dict[str, str]:
         """Remote-only commit id -> remote (empty when the record cannot be read)."""

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 
 from .. import config, endpoints
+from ..engine.file_behind import FileBehind
 from ..engine.heads import head_after_restore
 from ..engine.kernel_channel import run_agent, wait_answering, watch_activity_anew
 from ..engine.lifecycle import RESTORING, RUNNING, SETTLING, Operation, Turn
@@ -174,14 +175,17 @@ class RestoreRun:
             # restored kernel; a checkout finds it before anything is touched), or ...
             replaces = not self.fresh and prov.root_pid is not None
             source: dict = {"pages_may_stream": not replaces}
+            if not replaces:  # GPU segments may follow the restore (engine/file_behind.py)
+                source["behind"] = gpu_arena.IMAGE_NAME
             if replaces and self.may_keep:  # ... beside the kernel it replaces (aside.py)
                 source["pages_may_stream"] = await asyncio.to_thread(
                     aside.may_keep_replaced, m, kernel_id, p.commit_id)
             images = await step("images", m.remote_tier.images(op, engine, p.commit_id, source))
             if replaces and source.get("pages_from_store"):
                 self.park = self.keeps_replaced = True
-            segments = await step("gpu_segments", self.gpu_segments(images),
-                                  undo=lambda: self.gpu_segments_done(segments))
+            behind = source.get("file_behind")
+            segments = await step("gpu_segments", self.gpu_segments(images, behind),
+                                  undo=lambda: self.gpu_segments_done(segments, behind))
             info = km.get_connection_info()
             await step("endpoints", asyncio.to_thread(endpoints.check, info["ip"]))
             paths = endpoint_paths(info)
@@ -203,9 +207,11 @@ class RestoreRun:
             answer_s = await step("answer", self.answering(phases))
             if not p.retarget.same_session:
                 await step("adopt", self.adopt(info))
+            if behind is not None:
+                await step("segments_behind", self.segments_behind(behind))
             await m.resume_hooks(km, restored=True, segments=segments)
             self.finished = True
-            await self.gpu_segments_done(segments)
+            await self.gpu_segments_done(segments, behind)
         m.hibernation.restored(kernel_id)  # a hibernated kernel restored: awake
         commit_thread = (p.commit.metadata or {}).get("thread", DEFAULT_THREAD)
         if self.branch is not None:
@@ -219,6 +225,7 @@ class RestoreRun:
                 "duration_s": time.perf_counter() - self.t0,
                 **({"set_aside": self.set_aside} if self.set_aside is not None else {}),
                 "phases": {**phases, "checkout_s": source.get("checkout_s"),
+                           **({"behind_s": behind.seconds} if behind is not None else {}),
                            "images": source.get("source"),
                            "pages_from_store": source.get("pages_from_store", False),
                            **({"pulled": source["pulled"]} if "pulled" in source else {}),
@@ -237,16 +244,35 @@ class RestoreRun:
         self.prov.attach(kept.process)
         self.reconnect_to_kept = True
 
-    async def gpu_segments(self, images) -> str | None:  # noqa: ANN001
+    async def gpu_segments(self, images, behind: FileBehind | None) -> str | None:  # noqa: ANN001
         """The snapshot's GPU segments, set aside (engine.restore removes the images); the
-        restored kernel takes this copy."""
-        segments = gpu_arena.set_aside(images)
+        restored kernel takes this copy. One still being checked out (``behind``) is named
+        to the kernel once it is all there (:meth:`segments_behind`)."""
         self.token = ((self.p.commit.metadata or {}).get("gpu_segments") or {}).get("token")
+        if behind is not None:
+            return str(behind.path)
+        segments = gpu_arena.set_aside(images)
         if segments is not None and self.token:
             gpu_arena.say_go(self.token, segments)
         return segments
 
-    async def gpu_segments_done(self, segments: str | None) -> None:
+    async def segments_behind(self, behind: FileBehind) -> None:
+        """The segments checked out behind the restore: once they are all there and
+        verified, the kernel is told where (it waits for that word in its resume hooks);
+        if they cannot be read, the restored kernel, which would wait for them in vain, is
+        ended (nothing was replaced: a wake stays hibernated, a new kernel goes)."""
+        try:
+            path = await behind.done()
+        except BaseException:
+            await self.prov.kill()
+            raise
+        if self.token:
+            gpu_arena.say_go(self.token, str(path))
+
+    async def gpu_segments_done(self, segments: str | None,
+                                behind: FileBehind | None = None) -> None:
+        if behind is not None:
+            await behind.settled()  # its thread may still write the file
         if segments is not None:
             gpu_arena.discard(segments)
             if self.token:

@@ -63,8 +63,9 @@ MAX_PROCESSES = 16
 
 
 def checkout_dir(repo: Repository, ref: str, path: str | os.PathLike[str], *,
-                 threads: int | None = None) -> Commit:
-    """Materialize the tree of ``ref`` at ``path`` (absent or an empty directory).
+                 threads: int | None = None, leave_out: frozenset[str] = frozenset()) -> Commit:
+    """Materialize the tree of ``ref`` at ``path`` (absent or an empty directory), but for
+    the top-level entries named in ``leave_out``.
 
     Files get their recorded modes; runs of zero pages become holes. The tree is built
     in a hidden sibling directory and renamed into place, so ``path`` never holds a
@@ -80,7 +81,7 @@ def checkout_dir(repo: Repository, ref: str, path: str | os.PathLike[str], *,
     os.mkdir(tmp, 0o700)
     try:
         with Materializer(repo, threads=threads) as m:
-            m.tree(commit.tree, tmp)
+            m.tree(commit.tree, tmp, leave_out)
         if target.exists():
             os.rmdir(target)
         os.rename(tmp, target)
@@ -120,9 +121,12 @@ class Materializer:
             self._pool.shutdown(wait=True)
         self._reader.close()
 
-    def tree(self, tree_id: str, dest: Path) -> None:
-        """Create every entry of tree ``tree_id`` inside the existing directory ``dest``."""
+    def tree(self, tree_id: str, dest: Path, leave_out: frozenset[str] = frozenset()) -> None:
+        """Create every entry of tree ``tree_id`` (but those named in ``leave_out``) inside
+        the existing directory ``dest``."""
         for entry in self.repo.get_tree(tree_id):
+            if entry.name in leave_out:
+                continue
             target = dest / entry.name
             if entry.kind == "file":
                 self.file(entry, target)
