@@ -33,6 +33,7 @@ class FileBehind:
         self.seconds: float | None = None
         self._future: Future[Path] = Future()
         self._held: list[contextlib.AbstractContextManager] = []
+        self._ended = False
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, args=(repo, entry),
                                         name="ij-file-behind", daemon=True)
@@ -42,7 +43,7 @@ class FileBehind:
         """Keep ``held`` (entered: the remote sync's pin of the commit) until the file is
         written or has failed."""
         with self._lock:
-            if not self._future.done():
+            if not self._ended:
                 self._held.append(held)
                 return
         held.__exit__(None, None, None)
@@ -63,14 +64,19 @@ class FileBehind:
         self._end(None)
 
     def _end(self, exc: BaseException | None) -> None:
+        """Let go of what was held for the file, then say how it ended."""
         with self._lock:
-            if exc is None:
-                self._future.set_result(self.path)
-            else:
-                self._future.set_exception(exc)
+            self._ended = True
             held, self._held = self._held, []
         for h in held:
-            h.__exit__(None, None, None)
+            try:
+                h.__exit__(None, None, None)
+            except Exception:  # noqa: BLE001 - the file's end is said whatever a pin does
+                pass
+        if exc is None:
+            self._future.set_result(self.path)
+        else:
+            self._future.set_exception(exc)
 
     async def done(self) -> Path:
         """Once the file is all there and verified: its path; else why not, as RestoreFailed."""
