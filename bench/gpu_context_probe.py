@@ -6,9 +6,10 @@ kernels' stacks, its heaps) into the process's host memory, which CRIU then dump
 This probe runs a child that uses PyTorch on N cards (matmuls, attention, sort, sampling), frees
 every tensor, and then, from this process, checkpoints it with the driver as the helper does:
 the child's resident memory before and after, the card memory the context holds, and the time
-of the checkpoint and the restore; first as it is, then after the child has set each context's
-stack size back to the driver's default (``cuCtxSetLimit(CU_LIMIT_STACK_SIZE)``), which
-reallocates the local memory a kernel with a deep stack had grown. Prints a markdown table.
+of the checkpoint and the restore; first as it is, then with each context's stack size set to
+``--stack`` (0) for the checkpoint and back after (``cuCtxSetLimit(CU_LIMIT_STACK_SIZE)``, as
+kernel_magics/gpu_context.py does), which frees and reallocates the stacks' local memory; and
+a kernel needing a 4 KiB stack launched with the limit trimmed. Prints a markdown table.
 
     python3 bench/gpu_context_probe.py [--gpus 1] [--runs 3]
 """

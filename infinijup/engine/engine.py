@@ -377,10 +377,9 @@ class SnapshotEngine:
                 info.update(source="hot", checkout_s=time.perf_counter() - t0)
             return target
         try:
-            behind = self._entry_behind(commit_id, (info or {}).get("behind"))
             if (info or {}).get("pages_may_stream") and self._pages_from_store(commit_id):
                 self._checkout_serving_pages(commit_id, target)
-            elif behind is not None:
+            elif (behind := self._entry_behind(commit_id, (info or {}).get("behind"))) is not None:
                 store_checkout.checkout_dir(self.repo, commit_id, target,
                                             leave_out=frozenset({behind.name}))
                 info["file_behind"] = FileBehind(self.repo, behind,

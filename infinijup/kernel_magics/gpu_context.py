@@ -83,14 +83,14 @@ def _free_bytes(cuda) -> int:  # noqa: ANN001
     return free.value
 
 
-def trim() -> dict:
+def trim() -> int:
     """Set every active context's stack limit to 0 (after the GPU work has finished); return
-    ``{"devices": n, "freed": bytes}`` or ``{}`` where nothing was trimmed. Never raises."""
+    the card memory that freed. Never raises."""
     if os.environ.get(KEEP_CACHE_ENV, "") not in ("", "0"):
-        return {}
+        return 0
     cuda = _libcuda()
     if cuda is None:
-        return {}
+        return 0
     freed = 0
     try:
         for ordinal in range(_devices(cuda)):
@@ -106,7 +106,7 @@ def trim() -> dict:
                     freed += max(0, _free_bytes(cuda) - before)
     except Exception:  # a driver without these entry points: leave the rest as it is
         pass
-    return {"devices": len(_saved), "freed": freed} if _saved else {}
+    return freed
 
 
 def restore() -> list[str]:

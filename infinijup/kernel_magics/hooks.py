@@ -84,9 +84,9 @@ def run_quiesce() -> dict:
         info["gpu_segments"] = segments
     # Last of the GPU steps: the contexts' local memory (stack space), which no launch will use
     # until the resume sets it back (gpu_context.py)
-    trimmed = gpu_context.trim()
-    if trimmed.get("freed"):
-        info.setdefault("gpu_release", {})["local_memory"] = trimmed["freed"]
+    freed = gpu_context.trim()
+    if freed:
+        info.setdefault("gpu_release", {})["local_memory"] = freed
     try:
         running = sidecars.describe()  # they are in the snapshot with the kernel
     except Exception:
