@@ -17,6 +17,7 @@ import {
 
 import {
   createNotebook,
+  dismissToasts,
   execute,
   notified,
   openHistory,
@@ -159,9 +160,9 @@ async function snapshot(
   expect(reply.status(), JSON.stringify(body)).toBe(201);
   expect(body.thread).toBe(thread);
   const short = (body.commit as string).slice(0, 8);
-  await expect(
-    toasts(page).filter({ hasText: `Snapshot ${short} saved on ${thread}` })
-  ).toBeVisible();
+  await notified(page, `Snapshot ${short} saved on ${thread}`);
+  // Said: its toast would otherwise cover the history panel's lower rows.
+  await dismissToasts(page);
   return short;
 }
 
@@ -715,11 +716,8 @@ async function restoreFromPanel(page: IJupyterLabPageFixture, shortId: string) {
     .locator('.jp-Dialog')
     .getByRole('button', { name: 'Restore' })
     .click();
-  await expect(
-    toasts(page).filter({ hasText: `Restored ${shortId}` })
-  ).toBeVisible({
-    timeout: OP_TIMEOUT
-  });
+  await notified(page, `Restored ${shortId}`, OP_TIMEOUT);
+  await dismissToasts(page);
 }
 
 /** Issue 30: Undo and Redo of cells against the real backend. */
@@ -832,6 +830,7 @@ test.describe('Cells timeline @backend', () => {
     expect(await run(page, "print(b, 'c' in dir())")).toBe('2 False');
 
     // A row selects its snapshot; the card restores it.
+    await dismissToasts(page);
     await cells.nth(2).click();
     await expect(
       page

@@ -301,6 +301,32 @@ export function toasts(page: Page) {
   return page.locator('.Toastify__toast');
 }
 
+/**
+ * Dismiss every notification and wait until no toast is on screen.
+ *
+ * JupyterLab's toasts stack up from the bottom right, over the right sidebar's
+ * lower part, where the history panel's rows are. A click on a row under a toast
+ * waits until the toast is gone (Playwright: "intercepts pointer events"), and
+ * a toast that is hovered, or that an operation's notification keeps open, may
+ * not go: call this once a test has checked what its toasts said.
+ */
+export async function dismissToasts(page: Page): Promise<void> {
+  // Again until none is left: one may come while the others go.
+  await expect
+    .poll(async () => {
+      await page.evaluate(async () => {
+        const w = window as any;
+        for (const n of await w.galata.getNotifications()) {
+          await w.jupyterapp.commands.execute('apputils:dismiss-notification', {
+            id: n.id
+          });
+        }
+      });
+      return toasts(page).count();
+    })
+    .toBe(0);
+}
+
 /** Per page, the notifications `notified` has already answered with. */
 const answered = new WeakMap<object, Set<string>>();
 
