@@ -153,9 +153,11 @@ def verbose(what: str, answer: dict) -> None:
         phases = {k: round(v, 2) for k, v in (answer.get("phases") or {}).items()
                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
         why = (answer.get("phases") or {}).get("whole_why")  # a restore that was not lazy
+        where = {k: (answer.get("phases") or {})[k] for k in ("images", "pages_from_store")
+                 if k in (answer.get("phases") or {})}  # the images' tier; pages served
         print(f"  {what}: {answer.get('duration_s', 0):.2f} s, saved "
-              f"{answer.get('saved', '-')}, {phases}" + (f", whole: {why}" if why else ""),
-              flush=True)
+              f"{answer.get('saved', '-')}, {phases}" + (f", {where}" if where else "")
+              + (f", whole: {why}" if why else ""), flush=True)
 
 
 async def one_run(server: ServerProcess, cells: list[str], on: bool, repeat: int

@@ -8,20 +8,21 @@ helper asks for the few pages CRIU restores itself at once, and for the rest as 
 touches them or as CRIU's page daemon streams them in behind the running kernel. Each range
 is read from the chunks that hold it, verified as a checkout verifies them.
 
-The pages are served by a process of the server's user started for the restore
-(``StorePagesProcess``, running ``main``), not by the server: a server that restarts while a
-woken kernel's memory streams in must not end that kernel, and the chunks are decoded off the
-server's event loop. The helper checks that the socket's peer is the caller. Two connections
-(faults, the stream); the process ends when the helper lets go (the memory is back, or the restore failed), or,
-once told the restore is over, at once if nobody connected. It keeps open every pack that
-holds the pages, so the remote tier's eviction or a gc meanwhile cannot take them from under
-the stream. Where a page file's blob has a layout (store/layouts.py) the process is ready as
-soon as it has read it: the packs are opened behind the restore (one query), and each ask
-locates its chunks (and those just past them). A chunk the store lacks then fails the restore
-while it runs, as a pack removed mid-stream does, rather than before it starts; a pack evicted
-in the second or so before it is opened does too. Without a layout (an older store, an
-encrypted one) every chunk is located first, as before. An encrypted store is unlocked again
-in that process (from the environment, as every process of the store).
+The pages are served by a process of the server's user (``StorePagesProcess``, running
+``main``, started ahead of the restore that uses it: ``start_spare``), not by the server: a
+server that restarts while a woken kernel's memory streams in must not end that kernel, and
+the chunks are decoded off the server's event loop. The helper checks that the socket's peer
+is the caller. Two connections (faults, the stream); the process ends when the helper lets go
+(the memory is back, or the restore failed), or, once told the restore is over, at once if
+nobody connected. It keeps open every pack that holds the pages, so the remote tier's eviction
+or a gc meanwhile cannot take them from under the stream. Where a page file's blob has a
+layout (store/layouts.py) the process is ready as soon as it has read it: the packs are opened
+behind the restore (one query), and each ask locates its chunks (and those just past them). A
+chunk the store lacks then fails the restore while it runs, as a pack removed mid-stream does,
+rather than before it starts; a pack evicted in the second or so before it is opened does too.
+Without a layout (an older store, an encrypted one) every chunk is located first, as before.
+An encrypted store is unlocked again in that process (from the environment, as every process
+of the store).
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ import numpy as np
 
 from ..errors import RestoreFailed
 from ..store import layouts
-from ..store.checkout import Materializer
 from ..store.errors import CorruptObject, ObjectMissing
 from ..store.faults import crashpoint
 from ..store.index import Index, Location
@@ -72,6 +72,8 @@ def checkout_except_pages(repo, commit_id: str, target: Path,  # noqa: ANN001
                           on_pages: Callable[[dict[str, str]], None]) -> None:
     """Write the commit's images into ``target`` (created, must not exist) except its page
     files, whose blob ids by name go to ``on_pages`` first (``target`` exists then)."""
+    from ..store.checkout import Materializer  # here: the serving process needs none of it
+
     commit = repo.get_commit(commit_id)
     refuse_thinned(repo, commit.id)
     os.mkdir(target, 0o700)
@@ -142,25 +144,19 @@ class _Blob:
 
 
 class StorePagesProcess:
-    """The server's side: the socket bound at ``where`` and the serving process started
-    (``wait_ready``: its packs open)."""
+    """The server's side: the serving process told where to listen (``where``) and what to
+    serve (``wait_ready``: it listens, its packs are open). The process is the one started
+    ahead (``start_spare``), its imports done, where there is one."""
 
     def __init__(self, repo, pages: dict[str, str], where: Path) -> None:  # noqa: ANN001
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        try:
-            listener.bind(str(where))
-            listener.listen(1)
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", "from infinijup.engine.store_pages import main; main()",
-                 str(listener.fileno())],
-                pass_fds=(listener.fileno(),), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                start_new_session=True)  # not the server's: a server restart leaves it be
-        finally:
-            listener.close()  # the process's now
+        self.proc = _take_spare() or _spawn()
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps({"store": str(repo.path), "pages": pages}).encode()
-                              + b"\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(json.dumps({"store": str(repo.path), "pages": pages,
+                                              "socket": str(where)}).encode() + b"\n")
+            self.proc.stdin.flush()
+        except OSError:  # it died before it was told: wait_ready says so
+            pass
 
     def wait_ready(self) -> None:
         """Until the process has opened the store and the packs (RestoreFailed if it could
@@ -175,24 +171,95 @@ class StorePagesProcess:
                                 reason="checkout_failed")
 
     def stop_listening(self) -> None:
-        """The restore is over: the process serves the helper's connection, or ends."""
+        """The restore is over: the process serves the helper's connection, or ends. The next
+        restore's process is started now, while nothing waits for it."""
         try:
             assert self.proc.stdin is not None
             self.proc.stdin.close()
         except OSError:
             pass
+        start_spare()
+
+
+# One serving process started ahead of the restore that will use it, with the environment it
+# was started in (a process started in another environment, say another store's key, is not
+# used). Its start (Python and the store's modules, about 0.3 s on the 2-core VM) is then off
+# the restore's path. It waits for its first line on stdin and ends at end-of-file (its
+# server stopped or ended).
+_spare_lock = threading.Lock()
+_spare: tuple[subprocess.Popen, dict[str, str]] | None = None
+
+
+def _spawn() -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", "from infinijup.engine.store_pages import main; main()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        start_new_session=True)  # not the server's: a server restart leaves it be
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """A process never told anything: its stdin closed, it ends (reaped by a thread: it may
+    still be importing, and nothing waits for that)."""
+    for stream in (proc.stdin, proc.stdout):
+        if stream is not None:
+            try:
+                stream.close()
+            except OSError:
+                pass
+    threading.Thread(target=proc.wait, daemon=True, name="store-pages-spare-end").start()
+
+
+def _take_spare() -> subprocess.Popen | None:
+    global _spare
+    with _spare_lock:
+        spare, _spare = _spare, None
+    if spare is None:
+        return None
+    proc, env = spare
+    if proc.poll() is None and env == dict(os.environ):
+        return proc
+    _end(proc)
+    return None
+
+
+def start_spare() -> None:
+    """A serving process started for the next restore from the store, unless one waits."""
+    global _spare
+    with _spare_lock:
+        old = _spare
+        if old is not None and old[0].poll() is None and old[1] == dict(os.environ):
+            return
+        _spare = (_spawn(), dict(os.environ))
+    if old is not None:
+        _end(old[0])
+
+
+def stop_spare() -> None:
+    """The process started ahead ended (the server stops)."""
+    global _spare
+    with _spare_lock:
+        spare, _spare = _spare, None
+    if spare is not None:
+        _end(spare[0])
 
 
 def main() -> None:
-    """The serving process: ``argv[1]``: the listening socket; stdin: the store's path and the
-    page files' blob ids (a JSON line), then end-of-file once the restore is over."""
-    listener = socket.socket(fileno=int(sys.argv[1]))
+    """The serving process: on stdin the store's path, the page files' blob ids and the path
+    of the socket to listen on (a JSON line), then end-of-file once the restore is over. It
+    may wait for that line a long time (started ahead: ``start_spare``); end-of-file before
+    it: its server ended, and so does it."""
+    from ..store import Repository
+
     # the asks wait for Python's lock while the packs are opened behind: not 5 ms each time
     sys.setswitchinterval(SWITCH_S)
-    spec = json.loads(sys.stdin.buffer.readline())
+    line = sys.stdin.buffer.readline()
+    if not line:
+        return
     try:
-        from ..store import Repository
-
+        spec = json.loads(line)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        listener.bind(spec["socket"])
+        listener.listen(1)
         pages = StorePages(Repository.open(spec["store"]), spec["pages"])
     except Exception as exc:  # noqa: BLE001 - said to the server, which refuses the restore
         print(f"{type(exc).__name__}: {exc}", flush=True)

@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 
 from .. import config
+from ..engine import store_pages
 from ..kernel_magics import autosnap
 from . import aside
 from .handlers import setup_handlers
@@ -42,6 +43,7 @@ def _load_jupyter_server_extension(serverapp) -> None:  # noqa: ANN001 - jupyter
         await aside.end_all_kept(manager)  # kernels restores replaced, kept until settled
         await stop_kernels()
         await manager.remote_tier.stop(manager.remote_shutdown_wait)  # queued pushes go first
+        store_pages.stop_spare()
 
     serverapp.cleanup_kernels = cleanup_kernels
     if manager.hibernate_on_shutdown and not (sys.stdin and sys.stdin.isatty()) and \
@@ -51,6 +53,8 @@ def _load_jupyter_server_extension(serverapp) -> None:  # noqa: ANN001 - jupyter
         # LocalProcessSpawner stops servers with SIGINT: stop cleanly, as on SIGTERM.
         signal.signal(signal.SIGINT, serverapp._signal_stop)
     manager.hibernation.start(manager.idle_check_interval)
+    if manager.lazy_restore:  # the first restore from the store finds its serving process up
+        store_pages.start_spare()
     setup_handlers(serverapp.web_app)
     serverapp.log.info("Infinijup server extension loaded (store: %s)", manager.store_path)
 

@@ -4,7 +4,12 @@ boundaries, in raw, compressed and delta chunks, is the file's bytes."""
 
 from __future__ import annotations
 
+import json
 import random
+import socket
+import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +17,7 @@ import pytest
 from conftest import page_image, random_bytes
 from test_deltas import dirty
 
+from infinijup.engine import store_pages
 from infinijup.engine.store_pages import PARALLEL, StorePages, is_page_file
 from infinijup.store import Repository, layouts
 from infinijup.store.errors import ObjectMissing
@@ -134,4 +140,85 @@ def test_a_chunk_the_store_lacks_fails_the_asks_for_it_only(tmp_path: Path,
             == data[start - PAGE:start]  # the chunk before it
     finally:
         served.close()
+        repo.close()
+
+
+def test_the_serving_process_imports_only_what_it_serves_with(tmp_path: Path) -> None:
+    """A restore from the store waits for its serving process to start: the process opens
+    the store and serves a page without the engine's or the store's other modules (checkout,
+    check, gc, the writer's packing: a third of its start-up on the 2-core VM)."""
+    repo, pages, data = _store(tmp_path, False)
+    repo.close()
+    code = (
+        "import json, sys\n"
+        "from infinijup.engine.store_pages import StorePages\n"
+        "from infinijup.store import Repository\n"
+        "spec = json.loads(sys.argv[1])\n"
+        "served = StorePages(Repository.open(spec['store']), spec['pages'])\n"
+        "sys.stdout.buffer.write(bytes(served.read('pages-1.img', 0, 4096)))\n"
+        "served.close()\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.startswith('infinijup.'))))\n")
+    out = subprocess.run([sys.executable, "-c", code,
+                          json.dumps({"store": str(tmp_path / "store"), "pages": pages})],
+                         capture_output=True, check=True).stdout
+    assert out[:PAGE] == data[:PAGE]
+    loaded = set(json.loads(out[PAGE:]))
+    assert "infinijup.engine.store_pages" in loaded
+    assert not loaded & {"infinijup.engine.engine", "infinijup.engine.hot_tier",
+                         "infinijup.store.checkout", "infinijup.store.check",
+                         "infinijup.store.gc"}, sorted(loaded)
+
+
+def _ask_page(where: Path, name: str) -> bytes:
+    """The first page of ``name`` asked of a serving process, as the helper asks (on the
+    first of its two connections; the second, the stream's, asks nothing)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sk, \
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stream:
+        sk.connect(str(where))
+        stream.connect(str(where))
+        sk.sendall(struct.pack("<I", len(name)) + name.encode() + struct.pack("<QQ", 0, PAGE))
+        got = b""
+        while len(got) < PAGE and (part := sk.recv(PAGE - len(got))):
+            got += part
+        return got
+
+
+def test_a_restore_takes_the_serving_process_started_ahead(tmp_path: Path,
+                                                           monkeypatch) -> None:
+    """The process started ahead (``start_spare``) serves the next restore, and the end of
+    that restore starts the one after; one started in another environment (another store's
+    key, a test's fault point) is ended, not used; ``stop_spare`` ends the one waiting."""
+    repo, pages, data = _store(tmp_path, False)
+    procs = []
+    try:
+        store_pages.start_spare()
+        ahead = store_pages._spare[0]
+        served = store_pages.StorePagesProcess(repo, pages, tmp_path / "one.sock")
+        procs.append(served.proc)
+        assert served.proc is ahead
+        served.wait_ready()
+        assert _ask_page(tmp_path / "one.sock", "pages-1.img") == data[:PAGE]
+        served.stop_listening()
+        assert served.proc.wait(timeout=30) == 0
+        nxt = store_pages._spare[0]  # started as the restore ended
+        assert nxt is not ahead and nxt.poll() is None
+
+        monkeypatch.setenv("INFINIJUP_TEST_OTHER_ENVIRONMENT", "1")
+        served = store_pages.StorePagesProcess(repo, pages, tmp_path / "two.sock")
+        procs.append(served.proc)
+        assert served.proc is not nxt
+        assert nxt.wait(timeout=30) is not None  # ended, never told anything
+        served.wait_ready()
+        assert _ask_page(tmp_path / "two.sock", "pages-1.img") == data[:PAGE]
+        served.stop_listening()
+        assert served.proc.wait(timeout=30) == 0
+        waiting = store_pages._spare[0]
+        store_pages.stop_spare()
+        assert store_pages._spare is None and waiting.wait(timeout=30) == 0
+    finally:
+        store_pages.stop_spare()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
         repo.close()
