@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING
 from ..lazy_names import lazy_names
 
 # Each name is imported where it is first used, not with the package: a process that needs a
-# few modules of the store (the serving process of a restore, engine/store_pages.py, started
-# per restore) does not pay for the rest (check, gc, the writer: a third of a second here).
+# few modules of the store (a restore's serving process, engine/store_pages.py) does not pay
+# for the rest (check, gc, the checkout: with the engine's, 0.17 s of its 0.45 s of imports
+# on the 2-core VM).
 _WHERE = {
     "UNSET": "repository",
     "Blob": "objects",
