@@ -482,6 +482,7 @@ test.describe('Infinijup end to end @backend', () => {
     page,
     tmpPath
   }, testInfo) => {
+    test.setTimeout(4 * OP_TIMEOUT); // two resumes, each up to OP_TIMEOUT on a busy machine
     const { name } = await infinijupNotebook(page, tmpPath, 'resume');
     expect(await run(page, 'x = 41\nx')).toBe('41');
     const a = await snapshot(page);
