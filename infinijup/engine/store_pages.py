@@ -215,11 +215,15 @@ def _take_spare() -> subprocess.Popen | None:
         spare, _spare = _spare, None
     if spare is None:
         return None
-    proc, env = spare
-    if proc.poll() is None and env == dict(os.environ):
-        return proc
-    _end(proc)
+    if _usable(spare):
+        return spare[0]
+    _end(spare[0])
     return None
+
+
+def _usable(spare: tuple[subprocess.Popen, dict[str, str]]) -> bool:
+    """Alive, and started in the environment the server has now."""
+    return spare[0].poll() is None and spare[1] == dict(os.environ)
 
 
 def start_spare() -> None:
@@ -227,7 +231,7 @@ def start_spare() -> None:
     global _spare
     with _spare_lock:
         old = _spare
-        if old is not None and old[0].poll() is None and old[1] == dict(os.environ):
+        if old is not None and _usable(old):
             return
         _spare = (_spawn(), dict(os.environ))
     if old is not None:
