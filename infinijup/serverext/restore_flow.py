@@ -44,6 +44,7 @@ from ..engine.steps import Steps
 from ..errors import InfinijupError, RestoreFailed
 from ..gpu import arena as gpu_arena
 from ..gpu.restore_rules import plan_gpu_restore
+from ..store.faults import holdpoint
 from . import aside
 from .history import check_new_thread, resolve
 from .kernel_status import pages
@@ -64,6 +65,7 @@ def plan(m, km, key: str, ref: str, branch: str | None, force: bool = False,  # 
          gpu_map: dict[str, str] | None = None) -> Plan:
     """In a worker thread: what could refuse (unknown snapshot, a thread that exists, other
     endpoints or GPUs this kernel cannot take) refuses here."""
+    holdpoint("restore_plan")  # tests: a resumed kernel started, its restore not yet begun
     repo = m.repo()
     if branch is not None:
         check_thread_name(branch)

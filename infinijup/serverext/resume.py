@@ -28,6 +28,10 @@ class Resumes:
         # notebook's client makes the one session (Lab opens its own, so a session made here
         # would be a second one for the path)
         self.paths: dict[str, str] = {}
+        # kernels started for a resume whose restore has not ended: a websocket opened to one
+        # waits for it (websocket.py), from before the kernel starts, so that no websocket
+        # asks the kernel that the restore is about to replace for its kernel_info
+        self.starting: set[str] = set()
 
     async def resume(self, path: str, ref: str, *, kernel_name: str | None = None,
                      new_notebook: bool = False, force: bool = False,
@@ -50,26 +54,33 @@ class Resumes:
             session = await self.session_of(path)
             started = session is None
             kernel = kernel_name or meta.get("kernel_name") or "infinijup"
-            if started and not make_session:
-                kernel_id = await sessions.start_kernel_for_session(
-                    str(uuid.uuid4()), path, path, "notebook", kernel)
-                self.paths[kernel_id] = path
-                session = {"id": None, "kernel": {"id": kernel_id}}
-            elif started:
-                session = await sessions.create_session(path=path, name=path, type="notebook",
-                                                        kernel_name=kernel)
-            kernel_id = session["kernel"]["id"]
+            new_id = str(uuid.uuid4()) if started else None
+            if new_id is not None:
+                self.starting.add(new_id)
             try:
-                result = await restore(m, kernel_id, commit_id, force=force, fresh=started)
-            except BaseException:
-                if started:
-                    if session["id"] is not None:
-                        await sessions.delete_session(session["id"])
-                    else:
-                        self.paths.pop(kernel_id, None)
-                        await m.kernel_manager.shutdown_kernel(kernel_id)
-                    m.heads.forget(kernel_id)
-                raise
+                if started and not make_session:
+                    await sessions.start_kernel_for_session(
+                        str(uuid.uuid4()), path, path, "notebook", kernel, kernel_id=new_id)
+                    self.paths[new_id] = path
+                    session = {"id": None, "kernel": {"id": new_id}}
+                elif started:
+                    session = await sessions.create_session(
+                        path=path, name=path, type="notebook", kernel_name=kernel,
+                        kernel_id=new_id)
+                kernel_id = session["kernel"]["id"]
+                try:
+                    result = await restore(m, kernel_id, commit_id, force=force, fresh=started)
+                except BaseException:
+                    if started:
+                        if session["id"] is not None:
+                            await sessions.delete_session(session["id"])
+                        else:
+                            self.paths.pop(kernel_id, None)
+                            await m.kernel_manager.shutdown_kernel(kernel_id)
+                        m.heads.forget(kernel_id)
+                    raise
+            finally:
+                self.starting.discard(new_id)
         return {**result, "session_id": session["id"], "path": path, "started": started,
                 "duration_s": time.perf_counter() - t0}
 

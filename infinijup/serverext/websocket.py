@@ -81,10 +81,19 @@ class RestingKernelConnection(ZMQChannelsWebsocketConnection):
         kernel a resume just started, as Lab connects it) waits for the restore to end:
         jupyter_server's ``prepare`` asks the kernel for its kernel_info and waits up to
         ``kernel_info_timeout`` (60 s) for an answer that neither the process being replaced
-        nor the restored one, still signing with its snapshot's key, gives."""
-        lifecycle = self.hibernation.lifecycle
+        nor the restored one, still signing with its snapshot's key, gives. A kernel a resume
+        started waits so from its start, not only once its restore has begun."""
+        m = self.websocket_handler.settings["infinijup_manager"]
+
+        def restoring() -> bool:
+            return self.kernel_id in m.resumes.starting or \
+                m.lifecycle.state(self.kernel_id) == RESTORING
+
+        if not restoring():
+            return
+        m.log.info("infinijup: a websocket of kernel %s waits for its restore", self.kernel_id)
         deadline = time.monotonic() + self.kernel_info_timeout
-        while lifecycle.state(self.kernel_id) == RESTORING and time.monotonic() < deadline:
+        while restoring() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
     def connect(self):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import shutil
 import uuid
 
@@ -247,6 +248,53 @@ async def test_a_websocket_opened_while_the_resume_restores_waits_for_it(
         url, headers=dict(jp_auth_header), connect_timeout=600, request_timeout=600))
     code, body = await resumed
     assert code == 200 and body["kernel_id"] == kernel_id, body
+    nb = Notebook(notebook.fetch, notebook.ws_fetch, notebook.path)
+    nb.kernel_id, nb.ws = kernel_id, ws
+    try:
+        assert await nb.value("x + 1") == 42
+    finally:
+        ws.close()
+    assert "Timeout waiting for kernel_info reply" not in caplog.text
+
+
+async def test_a_websocket_opened_before_the_resume_restores_waits_for_it(
+        notebook: Notebook, jp_serverapp, jp_http_port, jp_base_url, jp_auth_header, caplog,
+        tmp_path, monkeypatch):
+    """The same, with the websocket opened before the restore has begun: the resume's kernel
+    is started and its session listed, and the server is held in the restore's plan (a hold
+    point, serverext/restore_flow.py). The websocket waits for the restore from there, not
+    only once the kernel is marked restoring: had it asked the kernel that the restore then
+    replaces for its kernel_info, the answer could be lost with that process (its 60 s wait)."""
+    holds = tmp_path / "holds"
+    holds.mkdir()
+    monkeypatch.setenv("INFINIJUP_STORE_HOLDS", str(holds))
+    caplog.set_level(logging.INFO)
+    await notebook.execute("x = 41")
+    snap = await notebook.snapshot(message="before")
+    await notebook.fetch("api", "kernels", notebook.kernel_id, method="DELETE")
+    old = notebook.kernel_id
+    manager = jp_serverapp.web_app.settings["infinijup_manager"]
+    (holds / "restore_plan").touch()
+    resumed = asyncio.ensure_future(resume(notebook, snap["commit"]))
+    while not (holds / "restore_plan.reached").exists():
+        assert not resumed.done(), resumed.result()
+        await asyncio.sleep(0.01)
+    kernel_id = next(s["kernel"]["id"] for s in await jp_serverapp.session_manager.list_sessions()
+                     if s.get("path") == notebook.path and s["kernel"]["id"] != old)
+    assert manager.lifecycle.state(kernel_id) != "restoring"  # the restore has not begun
+    url = (f"ws://localhost:{jp_http_port}{url_path_join(jp_base_url, 'api/kernels', kernel_id)}"
+           f"/channels?session_id={uuid.uuid4().hex}")
+    opening = asyncio.ensure_future(tornado.websocket.websocket_connect(
+        tornado.httpclient.HTTPRequest(url, headers=dict(jp_auth_header), connect_timeout=600,
+                                       request_timeout=600)))
+    waits = f"a websocket of kernel {kernel_id} waits for its restore"
+    while waits not in caplog.text and not opening.done():
+        await asyncio.sleep(0.01)
+    assert not opening.done(), "the websocket opened on the kernel the restore replaces"
+    (holds / "restore_plan").unlink()
+    code, body = await resumed
+    assert code == 200 and body["kernel_id"] == kernel_id, body
+    ws = await opening
     nb = Notebook(notebook.fetch, notebook.ws_fetch, notebook.path)
     nb.kernel_id, nb.ws = kernel_id, ws
     try:
