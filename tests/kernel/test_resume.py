@@ -221,6 +221,26 @@ async def test_a_copy_resumed_without_a_session_gets_the_one_its_client_makes(no
         await nb.close()
 
 
+async def _resumed_and_answering(notebook: Notebook, resumed, kernel_id: str, ws,  # noqa: ANN001
+                                 caplog) -> None:  # noqa: ANN001
+    """The resume answered for ``kernel_id``, and ``ws`` carries a cell there at once, with no
+    60 s wait for a kernel_info reply behind it."""
+    code, body = await resumed
+    assert code == 200 and body["kernel_id"] == kernel_id, body
+    nb = Notebook(notebook.fetch, notebook.ws_fetch, notebook.path)
+    nb.kernel_id, nb.ws = kernel_id, ws
+    try:
+        assert await nb.value("x + 1") == 42
+    finally:
+        ws.close()
+    assert "Timeout waiting for kernel_info reply" not in caplog.text
+
+
+def _channels_url(port: int, base_url: str, kernel_id: str) -> str:
+    return (f"ws://localhost:{port}{url_path_join(base_url, 'api/kernels', kernel_id)}"
+            f"/channels?session_id={uuid.uuid4().hex}")
+
+
 async def test_a_websocket_opened_while_the_resume_restores_waits_for_it(
         notebook: Notebook, jp_serverapp, jp_http_port, jp_base_url, jp_auth_header, caplog):
     """As Lab does after a resume into the notebook whose kernel was shut down: the session
@@ -242,19 +262,10 @@ async def test_a_websocket_opened_while_the_resume_restores_waits_for_it(
         await asyncio.sleep(0.01)
     while lifecycle.state(kernel_id) != "restoring":
         await asyncio.sleep(0.005)
-    url = (f"ws://localhost:{jp_http_port}{url_path_join(jp_base_url, 'api/kernels', kernel_id)}"
-           f"/channels?session_id={uuid.uuid4().hex}")
+    url = _channels_url(jp_http_port, jp_base_url, kernel_id)
     ws = await tornado.websocket.websocket_connect(tornado.httpclient.HTTPRequest(
         url, headers=dict(jp_auth_header), connect_timeout=600, request_timeout=600))
-    code, body = await resumed
-    assert code == 200 and body["kernel_id"] == kernel_id, body
-    nb = Notebook(notebook.fetch, notebook.ws_fetch, notebook.path)
-    nb.kernel_id, nb.ws = kernel_id, ws
-    try:
-        assert await nb.value("x + 1") == 42
-    finally:
-        ws.close()
-    assert "Timeout waiting for kernel_info reply" not in caplog.text
+    await _resumed_and_answering(notebook, resumed, kernel_id, ws, caplog)
 
 
 async def test_a_websocket_opened_before_the_resume_restores_waits_for_it(
@@ -282,8 +293,7 @@ async def test_a_websocket_opened_before_the_resume_restores_waits_for_it(
     kernel_id = next(s["kernel"]["id"] for s in await jp_serverapp.session_manager.list_sessions()
                      if s.get("path") == notebook.path and s["kernel"]["id"] != old)
     assert manager.lifecycle.state(kernel_id) != "restoring"  # the restore has not begun
-    url = (f"ws://localhost:{jp_http_port}{url_path_join(jp_base_url, 'api/kernels', kernel_id)}"
-           f"/channels?session_id={uuid.uuid4().hex}")
+    url = _channels_url(jp_http_port, jp_base_url, kernel_id)
     opening = asyncio.ensure_future(tornado.websocket.websocket_connect(
         tornado.httpclient.HTTPRequest(url, headers=dict(jp_auth_header), connect_timeout=600,
                                        request_timeout=600)))
@@ -292,13 +302,4 @@ async def test_a_websocket_opened_before_the_resume_restores_waits_for_it(
         await asyncio.sleep(0.01)
     assert not opening.done(), "the websocket opened on the kernel the restore replaces"
     (holds / "restore_plan").unlink()
-    code, body = await resumed
-    assert code == 200 and body["kernel_id"] == kernel_id, body
-    ws = await opening
-    nb = Notebook(notebook.fetch, notebook.ws_fetch, notebook.path)
-    nb.kernel_id, nb.ws = kernel_id, ws
-    try:
-        assert await nb.value("x + 1") == 42
-    finally:
-        ws.close()
-    assert "Timeout waiting for kernel_info reply" not in caplog.text
+    await _resumed_and_answering(notebook, resumed, kernel_id, await opening, caplog)
