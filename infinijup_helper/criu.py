@@ -458,6 +458,38 @@ class Criu:
             raise RequestError("bad_request", f"damaged images: {name} has no header")
         return found[0].pages_id, [(e.vaddr, e.nr_pages, e.flags) for e in found[1:]]
 
+    def clear_lazy(self, dir_fd: int, name: str, entries: set[int]) -> None:
+        """Rewrite the pagemap image ``name`` in ``dir_fd`` (a staging dir of the helper's)
+        with the lazy flag off on ``entries`` (indexes among its entries), so that CRIU's
+        restore reads those pages itself and its page daemon leaves them: a new file put in
+        its place, the owner and mode kept."""
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            data = f.read()
+        found = self.messages(dir_fd, name, "PAGEMAP", "pagemap_entry", head="pagemap_head")
+        magic = 8 if struct.unpack_from("i", data, 0)[0] in (
+            self.pycriu.images.by_name["IMG_COMMON"],
+            self.pycriu.images.by_name["IMG_SERVICE"]) else 4
+        out = [data[:magic]]
+        for i, msg in enumerate(found):
+            if i - 1 in entries:
+                msg.flags &= ~PE_LAZY
+            body = msg.SerializeToString()
+            out += [struct.pack("i", len(body)), body]
+        tmp = f".{name}.eager"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     st.st_mode & 0o777, dir_fd=dir_fd)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                os.fchown(f.fileno(), st.st_uid, st.st_gid)
+                f.write(b"".join(out))
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=dir_fd)
+            raise
+
     def messages(self, dir_fd: int, name: str, magic: str, message: str,
                  head: str | None = None) -> list[Any]:
         """The entries of an image (``magic``, e.g. "FILES") as protobuf messages of
@@ -586,6 +618,7 @@ def private_page_files(criu: Criu, dir_fd: int) -> set[str]:
 
 
 PE_PARENT = 1  # pagemap entry flags (CRIU images/pagemap.proto)
+PE_LAZY = 2
 PE_PRESENT = 4
 
 

@@ -43,6 +43,7 @@ class FileSource:
             self.stream_go.set()
         self.served = 0
         self.asked: list[tuple[str, int, int]] = []
+        self.asked_for_faults = 0  # asks on the first connection (faults, the restore's fill)
         self.stopped = threading.Event()
         self.lock = threading.Lock()
         self.conns: list[socket.socket] = []
@@ -76,6 +77,7 @@ class FileSource:
                     self.stream_go.wait()
                 with self.lock:
                     self.asked.append((name, offset, length))
+                    self.asked_for_faults += not stream
                     stop = self.stop_after is not None and self.served + length > self.stop_after
                 if stop:
                     self.stopped.set()
@@ -137,6 +139,39 @@ def test_pages_come_from_the_source_and_every_one_arrives(client, kernel: Kernel
         assert source.served == total + probes, (source.served, total)
         assert {name for name, _, _ in source.asked} <= set(os.listdir(kept))
         assert not any(n.startswith("pages-") for n in os.listdir(images))
+    finally:
+        source.close()
+    client.release(images)
+
+
+def test_the_kernel_answers_without_asking_for_its_small_memory_page_by_page(
+        client, kernel: Kernel, trees, tmp_path) -> None:
+    """The pages of short runs (the interpreter's heaps and stacks, small objects) come back
+    with CRIU's restore, filled in by the helper in a few asks (page_source.eager_entries);
+    the 256 MiB blob stays lazy. Left lazy, each page of those heaps the kernel touched was a
+    fault of its own: the first answer of an ipykernel took about 1,500 (187 asks)."""
+    from test_helper_lazy_restore import _wait
+
+    from infinijup_helper.page_source import EAGER_TOTAL
+
+    images, kept, total = _dump_without_pages(client, kernel, tmp_path)
+    source = FileSource(Path(images) / "pages.sock", kept, stream_held=True)
+    try:
+        restored = client.restore(images, replace_pid=kernel.pid, lazy=True,
+                                  page_source="pages.sock")
+        trees.add(restored.pid)
+        filled, asks = source.served, source.asked_for_faults
+        # the file's last page (the helper's probe of its length), then the short runs
+        assert 4096 * len(os.listdir(kept)) < filled < EAGER_TOTAL + (1 << 20), filled
+        source.stream_go.set()
+        kernel.wait_answering(timeout=60)
+        assert kernel.evaluate(x="1 + 1") == {"x": "2"}
+        # a few: the daemon's first asks of its own stream go on that connection too
+        assert source.asked_for_faults - asks <= 16, source.asked[asks:]
+        assert kernel.evaluate(ok=CHECK) == {"ok": "True"}
+        done = _wait(lambda: (s := client.status(restored.pid).pages)["state"] != "streaming"
+                     and s, "the page daemon to finish")
+        assert done["state"] == "resident", done
     finally:
         source.close()
     client.release(images)

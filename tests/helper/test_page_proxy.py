@@ -96,3 +96,27 @@ def test_answers_are_the_sources_and_what_was_sent_is_let_go():
         ours.close()
         for t in sources:
             t.join(timeout=60)
+
+
+def test_short_runs_of_lazy_pages_are_restored_with_the_process_the_shortest_first():
+    from infinijup_helper.page_source import EAGER_RUN, EAGER_TOTAL, eager_entries
+
+    lazy, present, parent = 6, 4, 5  # PE_LAZY | PE_PRESENT; PE_PRESENT; with PE_PARENT
+    mib = 256  # pages
+    big = EAGER_RUN // 4096
+    entries = [
+        (0x10000000, 16, lazy), (0x10010000, 16, lazy),  # one run of 128 KiB: two entries
+        (0x20000000, big, lazy),  # a run of EAGER_RUN: stays lazy
+        (0x30000000, 4, present),  # restored by CRIU anyway: not counted
+        (0x40000000, mib, lazy), (0x40000000 + mib * 4096, mib, lazy),  # 2 MiB
+        (0x50000000, 8, parent),
+        (0x60000000, 8, lazy),
+    ]
+    assert eager_entries(entries) == {0, 1, 4, 5, 7}
+    # runs that together pass EAGER_TOTAL: the shortest are taken until it is reached
+    each = (EAGER_RUN // 2) // 4096
+    many = [(0x1_0000_0000 * (k + 1), each - k, lazy) for k in range(EAGER_TOTAL // (EAGER_RUN // 2) + 2)]
+    chosen = eager_entries(many)
+    assert sum(many[i][1] for i in chosen) * 4096 <= EAGER_TOTAL
+    assert chosen == set(range(len(many) - len(chosen), len(many)))  # the shortest
+    assert eager_entries([(0x1000, 4, lazy), (0x1000 + 4 * 4096, 4, present)]) == {0}
