@@ -467,10 +467,7 @@ class Criu:
         with os.fdopen(fd, "rb") as f:
             st = os.fstat(f.fileno())
             data = f.read()
-        found = self.messages(dir_fd, name, "PAGEMAP", "pagemap_entry", head="pagemap_head")
-        magic = 8 if struct.unpack_from("i", data, 0)[0] in (
-            self.pycriu.images.by_name["IMG_COMMON"],
-            self.pycriu.images.by_name["IMG_SERVICE"]) else 4
+        magic, found = self._parse(name, data, "PAGEMAP", "pagemap_entry", "pagemap_head")
         out = [data[:magic]]
         for i, msg in enumerate(found):
             if i - 1 in entries:
@@ -496,17 +493,22 @@ class Criu:
         ``message`` (e.g. "file_entry"; the first of ``head``'s type where the image has a
         header), without ``load_image``'s conversion to dicts: a restore's checks read
         files.img twice, about 40 ms each as dicts (issue 32's wake)."""
-        images = self.pycriu.images
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
         with os.fdopen(fd, "rb") as f:
             data = f.read()
+        return self._parse(name, data, magic, message, head)[1]
+
+    def _parse(self, name: str, data: bytes, magic: str, message: str,
+               head: str | None) -> tuple[int, list[Any]]:
+        """``messages`` of an image's bytes, with the length of its magic numbers."""
+        images = self.pycriu.images
         try:
             (found,), at = struct.unpack_from("i", data, 0), 4
             if found in (images.by_name["IMG_COMMON"], images.by_name["IMG_SERVICE"]):
                 (found,), at = struct.unpack_from("i", data, 4), 8
             if images.by_val.get(found) != magic:
                 raise ValueError(f"not a {magic} image (magic {found:#x})")
-            out = []
+            start, out = at, []
             while at < len(data):
                 (size,) = struct.unpack_from("i", data, at)
                 at += 4
@@ -518,7 +520,7 @@ class Criu:
                 at += size
         except Exception as exc:  # noqa: BLE001 - any decode failure means damaged images
             raise RequestError("bad_request", f"image {name} cannot be read: {exc}") from None
-        return out
+        return start, out
 
 
 def _send(sk: socket.socket, req: Any, deadline: float) -> None:

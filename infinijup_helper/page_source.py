@@ -46,7 +46,8 @@ ASK_BATCH = 64
 # itself, the shortest first, up to EAGER_TOTAL in all: the interpreter's heaps, stacks and
 # small objects, which a restored kernel touches first. Left lazy, its first answer took
 # about 1,500 faults, each a round trip through the daemon, the proxy and the source
-# (0.2-0.4 ms each); filled in before the restore, they are asked in batches.
+# (0.2-0.5 ms each); filled in before the restore, they take a few asks (they lie before and
+# after the large arrays in the page file).
 EAGER_RUN = 16 << 20
 EAGER_TOTAL = 64 << 20
 

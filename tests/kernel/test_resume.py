@@ -236,9 +236,12 @@ async def _resumed_and_answering(notebook: Notebook, resumed, kernel_id: str, ws
     assert "Timeout waiting for kernel_info reply" not in caplog.text
 
 
-def _channels_url(port: int, base_url: str, kernel_id: str) -> str:
-    return (f"ws://localhost:{port}{url_path_join(base_url, 'api/kernels', kernel_id)}"
-            f"/channels?session_id={uuid.uuid4().hex}")
+def _open_channels(port: int, base_url: str, auth_header: dict, kernel_id: str):  # noqa: ANN202
+    """A websocket to ``kernel_id``'s channels, as Lab opens one (the connect, awaitable)."""
+    url = (f"ws://localhost:{port}{url_path_join(base_url, 'api/kernels', kernel_id)}"
+           f"/channels?session_id={uuid.uuid4().hex}")
+    return tornado.websocket.websocket_connect(tornado.httpclient.HTTPRequest(
+        url, headers=dict(auth_header), connect_timeout=600, request_timeout=600))
 
 
 async def test_a_websocket_opened_while_the_resume_restores_waits_for_it(
@@ -262,9 +265,7 @@ async def test_a_websocket_opened_while_the_resume_restores_waits_for_it(
         await asyncio.sleep(0.01)
     while lifecycle.state(kernel_id) != "restoring":
         await asyncio.sleep(0.005)
-    url = _channels_url(jp_http_port, jp_base_url, kernel_id)
-    ws = await tornado.websocket.websocket_connect(tornado.httpclient.HTTPRequest(
-        url, headers=dict(jp_auth_header), connect_timeout=600, request_timeout=600))
+    ws = await _open_channels(jp_http_port, jp_base_url, jp_auth_header, kernel_id)
     await _resumed_and_answering(notebook, resumed, kernel_id, ws, caplog)
 
 
@@ -293,10 +294,8 @@ async def test_a_websocket_opened_before_the_resume_restores_waits_for_it(
     kernel_id = next(s["kernel"]["id"] for s in await jp_serverapp.session_manager.list_sessions()
                      if s.get("path") == notebook.path and s["kernel"]["id"] != old)
     assert manager.lifecycle.state(kernel_id) != "restoring"  # the restore has not begun
-    url = _channels_url(jp_http_port, jp_base_url, kernel_id)
-    opening = asyncio.ensure_future(tornado.websocket.websocket_connect(
-        tornado.httpclient.HTTPRequest(url, headers=dict(jp_auth_header), connect_timeout=600,
-                                       request_timeout=600)))
+    opening = asyncio.ensure_future(
+        _open_channels(jp_http_port, jp_base_url, jp_auth_header, kernel_id))
     waits = f"a websocket of kernel {kernel_id} waits for its restore"
     while waits not in caplog.text and not opening.done():
         await asyncio.sleep(0.01)
